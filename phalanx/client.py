@@ -1,0 +1,222 @@
+"""The Python SDK: the one HTTP client for everything outside the server (users, CLI, agents, workers).
+
+Contract: every method raises `ApiError` for an HTTP error answer (with the server's message and
+status) and `httpx.TransportError` when the server cannot be reached; callers that must survive an
+outage (the agent) wrap calls in their own retry policy. One `Client` may be shared by threads
+(httpx.Client is thread-safe for requests).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from phalanx.schemas import (
+    Agent,
+    AgentRegistration,
+    AgentWork,
+    Job,
+    JobDetail,
+    JobSpec,
+    LogLine,
+    LogRecord,
+    MetricPoint,
+    TokenCreated,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_MAX_BUNDLE_BYTES = 64 * 1024 * 1024
+BUNDLE_EXCLUDES = {".git", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, detail: Any = None) -> None:
+        super().__init__(f"{message} (HTTP {status})")
+        self.status, self.message, self.detail = status, message, detail
+
+
+class SpecError(ValueError):
+    """A job file that cannot be read or does not validate; the message names the field."""
+
+
+def load_job_file(path: str | Path) -> tuple[JobSpec, Path]:
+    """Read a YAML job file; returns the spec and its working directory (relative to the file)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise SpecError(f"cannot read job file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path} must be a mapping of job fields (name, entrypoint, resources, ...)")
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors())
+        raise SpecError(f"{path}: {problems}") from exc
+    return spec, (path.parent / spec.workdir).resolve()
+
+
+def pack_workdir(workdir: Path, max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> bytes:
+    """The job's working directory as a .tar.gz, without VCS and cache folders."""
+    if not workdir.is_dir():
+        raise SpecError(f"workdir {workdir} is not a directory")
+
+    def _filter(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if BUNDLE_EXCLUDES.intersection(Path(info.name).parts) else info
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(workdir, arcname=".", filter=_filter)
+    data = buffer.getvalue()
+    if len(data) > max_bytes:
+        raise SpecError(
+            f"workdir {workdir} packs to {len(data) / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB cap; "
+            "move data sets out of it (read them from shared storage) or point workdir at a smaller folder"
+        )
+    return data
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        self.url = (url or os.environ.get("PHALANX_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get("PHALANX_TOKEN", "")
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = self._http.request(method, f"/api/v1{path}", **kwargs)
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+                message, detail = body.get("error", response.text), body.get("detail")
+            except ValueError:
+                message, detail = response.text or response.reason_phrase, None
+            raise ApiError(response.status_code, message, detail)
+        return response
+
+    def _get(self, model: type[M], path: str, **kwargs: Any) -> M:
+        return model.model_validate_json(self._request("GET", path, **kwargs).content)
+
+    def _list(self, model: type[M], path: str, **kwargs: Any) -> list[M]:
+        return TypeAdapter(list[model]).validate_json(self._request("GET", path, **kwargs).content)  # type: ignore[valid-type]
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    # --- jobs -------------------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec, workdir: Path | None = None) -> Job:
+        files: dict[str, Any] = {"spec": (None, spec.model_dump_json(), "application/json")}
+        if workdir is not None:
+            files["bundle"] = ("bundle.tar.gz", pack_workdir(workdir), "application/gzip")
+        return Job.model_validate_json(self._request("POST", "/jobs", files=files).content)
+
+    def submit_file(self, path: str | Path) -> Job:
+        spec, workdir = load_job_file(path)
+        return self.submit(spec, workdir)
+
+    def get_job(self, job_id: int) -> JobDetail:
+        return self._get(JobDetail, f"/jobs/{job_id}")
+
+    def list_jobs(self, state: str | None = None, limit: int = 100) -> list[Job]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        return self._list(Job, "/jobs", params=params)
+
+    def kill_job(self, job_id: int) -> Job:
+        return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/kill").content)
+
+    def logs(self, job_id: int, rank: int | None = None, after: int = 0, limit: int = 1000) -> list[LogRecord]:
+        params: dict[str, Any] = {"after": after, "limit": limit}
+        if rank is not None:
+            params["rank"] = rank
+        return self._list(LogRecord, f"/jobs/{job_id}/logs", params=params)
+
+    def metrics(self, job_id: int, name: str | None = None, limit: int = 100_000) -> list[MetricPoint]:
+        params: dict[str, Any] = {"limit": limit}
+        if name:
+            params["name"] = name
+        return self._list(MetricPoint, f"/jobs/{job_id}/metrics", params=params)
+
+    def wait(self, job_id: int, timeout: float | None = None, poll: float = 0.5) -> JobDetail:
+        """Block until the job reaches a terminal state; TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self.get_job(job_id)
+            if job.state.is_terminal:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job.state.value} after {timeout} s")
+            time.sleep(poll)
+
+    # --- admin ------------------------------------------------------------------------------------
+
+    def agents(self) -> list[Agent]:
+        return self._list(Agent, "/agents")
+
+    def create_token(self, kind: str, name: str) -> TokenCreated:
+        response = self._request("POST", "/tokens", json={"kind": kind, "name": name})
+        return TokenCreated.model_validate_json(response.content)
+
+    # --- agent protocol ---------------------------------------------------------------------------
+
+    def register_agent(self, registration: AgentRegistration) -> Agent:
+        response = self._request("POST", "/agents/register", json=registration.model_dump(mode="json"))
+        return Agent.model_validate_json(response.content)
+
+    def heartbeat(self, agent_id: int) -> None:
+        self._request("POST", f"/agents/{agent_id}/heartbeat")
+
+    def agent_work(self, agent_id: int, version: str = "", wait: float = 0.0) -> AgentWork:
+        params = {"version": version, "wait": wait}
+        return self._get(AgentWork, f"/agents/{agent_id}/work", params=params, timeout=wait + 15)
+
+    def download_bundle(self, job_id: int) -> bytes:
+        return self._request("GET", f"/jobs/{job_id}/bundle", timeout=300).content
+
+    def set_rendezvous(self, agent_id: int, allocation_id: int, master_port: int) -> None:
+        path = f"/agents/{agent_id}/allocations/{allocation_id}/rendezvous"
+        self._request("POST", path, json={"master_port": master_port})
+
+    def node_started(self, agent_id: int, allocation_id: int, node_rank: int) -> None:
+        self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/started", json={"node_rank": node_rank})
+
+    def node_exited(self, agent_id: int, allocation_id: int, node_rank: int, exit_code: int, reason: str = "") -> None:
+        body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:]}
+        self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
+
+    def ship_logs(self, agent_id: int, allocation_id: int, lines: Iterable[LogLine]) -> None:
+        body = {"lines": [line.model_dump() for line in lines]}
+        self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/logs", json=body)
+
+    # --- workers ----------------------------------------------------------------------------------
+
+    def post_metrics(self, allocation_id: int, records: list[dict[str, Any]]) -> None:
+        self._request("POST", f"/allocations/{allocation_id}/metrics", json={"records": records})

@@ -1,0 +1,215 @@
+"""`init()` and the `Context` a training script works through."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from phalanx.train._data import PreparedDataLoader, prepare_data_loader
+from phalanx.train._env import RuntimeEnv, read_env
+from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
+
+DEFAULT_FINISH_TIMEOUT_S = 10.0
+
+_current: Context | None = None
+_current_lock = threading.Lock()
+
+
+def init() -> Context:
+    """Set up this process from its environment; a second call returns the same live context."""
+    global _current
+    with _current_lock:
+        if _current is None or _current.finished:
+            _current = Context(read_env())
+        return _current
+
+
+def _report_after_finish(_item: Any) -> None:
+    raise RuntimeError("ctx.report() was called after ctx.finish()")
+
+
+class Context:
+    """Everything a rank needs: who it is, where it runs, and the job's settings.
+
+    Built by `init()`; use one per process.
+    """
+
+    def __init__(self, env: RuntimeEnv) -> None:
+        self.rank = env.rank
+        self.local_rank = env.local_rank
+        self.world_size = env.world_size
+        self.hparams: dict[str, Any] = dict(env.hparams)
+        self.precision = env.precision
+        self.job_id = env.job_id
+        self.allocation_id = env.allocation_id
+        self.attempt = env.attempt
+        self.latest_checkpoint: Any = None  # checkpoints arrive in a later version
+        self.finished = False
+
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", env.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+        self.grad_scaler: torch.amp.GradScaler | None = None
+        if self.precision == "fp16-mixed":
+            # float16 overflows without loss scaling; bf16 has fp32's range and needs none.
+            self.grad_scaler = torch.amp.GradScaler(self.device.type)
+
+        self._owns_process_group = False
+        if self.world_size > 1:
+            self._init_process_group(env)
+
+        sink: MetricSink | None = None
+        if env.managed:
+            from phalanx.train._http import HttpMetricSink  # httpx only when there is a server
+
+            assert env.url is not None and env.allocation_id is not None  # read_env checked
+            sink = HttpMetricSink(env.url, env.allocation_id, env.token)
+        self._pipeline = MetricPipeline(self.rank, sink)
+        # Bound once: report() then costs a method call, a dict copy and a queue put.
+        self._put: Callable[[Any], None] = self._pipeline.queue.put
+        self._last_step: Any = -1
+
+        self._sigterm_received = False
+        self._previous_sigterm: Any = None
+        self._sigterm_installed = False
+        if threading.current_thread() is threading.main_thread():
+            # Preemption and cancellation arrive as SIGTERM (SIGKILL follows after a grace
+            # period): turn it into should_stop() so the loop can checkpoint and leave cleanly.
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+
+        atexit.register(self.finish)
+
+    def _init_process_group(self, env: RuntimeEnv) -> None:
+        if dist.is_initialized():  # the script set it up itself; leave it to the script
+            if dist.get_world_size() != self.world_size:
+                raise RuntimeError(
+                    f"an existing process group has {dist.get_world_size()} ranks, WORLD_SIZE says {self.world_size}"
+                )
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # A hung peer blocks every collective until this timeout; torch's default is 30 minutes.
+        timeout = timedelta(seconds=env.pg_timeout_s)
+        if self.device.type == "cuda":
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=self.device)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        self._owns_process_group = True
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._sigterm_received = True
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+
+    # --- model, data, precision ---------------------------------------------------------
+
+    def prepare_model(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+        """Move the model to this rank's device; wrap it in DistributedDataParallel if there are peers."""
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        if self.device.type == "cuda":
+            return DistributedDataParallel(model, device_ids=[self.device.index], **ddp_kwargs)
+        return DistributedDataParallel(model, **ddp_kwargs)
+
+    def prepare_data_loader(self, loader: DataLoader[Any], *, move_to_device: bool = True) -> PreparedDataLoader:
+        """Give each rank its own shard (DistributedSampler, shuffled like `loader`), epoch-aware.
+
+        Each iteration of the returned loader is one epoch: `set_epoch` is called for you. With
+        one process the loader's own sampler is kept. Batches are moved to `device` (not on CPU).
+        """
+        return prepare_data_loader(
+            loader,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            move_to_device=move_to_device,
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """torch's AMP for the job's precision; a no-op for "32"."""
+        if self.precision == "bf16-mixed":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        if self.precision == "fp16-mixed":
+            return torch.autocast(device_type=self.device.type, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Backward pass and optimizer step (loss-scaled for fp16-mixed), then zero the gradients."""
+        if self.grad_scaler is None:
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+            optimizer.step()
+        else:
+            self.grad_scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            self.grad_scaler.step(optimizer)
+            self.grad_scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    # --- metrics and control -------------------------------------------------------------
+
+    def report(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Record metrics for `step` (default: the previous step + 1). Never blocks.
+
+        Values may be numbers or 0-dim tensors; tensors are read later by a background thread,
+        so do not modify a reported tensor in place afterwards. nan/inf values are dropped.
+        """
+        if step is None:
+            step = self._last_step + 1
+        self._last_step = step
+        # The copy protects against the caller reusing its dict; everything else is deferred.
+        self._put((step, time.time(), dict(values)))
+
+    def should_stop(self) -> bool:
+        """True once this process was asked to leave: SIGTERM, or a newer attempt superseded it."""
+        return self._sigterm_received or self._pipeline.superseded
+
+    def flush(self, timeout: float = DEFAULT_FINISH_TIMEOUT_S) -> bool:
+        """Wait until every metric reported so far was sent (or stored); False on timeout."""
+        return self._pipeline.flush(timeout)
+
+    @property
+    def metrics(self) -> list[MetricRecordDict]:
+        """Records kept in memory when running outside Phalanx (empty when they go to a server)."""
+        return self._pipeline.records
+
+    def metric_stats(self) -> MetricStats:
+        return self._pipeline.stats()
+
+    def finish(self, timeout: float = DEFAULT_FINISH_TIMEOUT_S) -> None:
+        """Flush metrics (waiting at most `timeout` s) and tear down the process group. Idempotent."""
+        global _current
+        if self.finished:
+            return
+        self.finished = True
+        self._put = _report_after_finish
+        self._pipeline.close(timeout)
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if (
+            self._sigterm_installed
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        ):
+            # None: the previous handler was not installed from Python; the default is the best guess.
+            previous = signal.SIG_DFL if self._previous_sigterm is None else self._previous_sigterm
+            signal.signal(signal.SIGTERM, previous)
+        atexit.unregister(self.finish)
+        with _current_lock:
+            if _current is self:
+                _current = None

@@ -1,0 +1,1 @@
+"""Phalanx scheduler: gang placement, reaping lost agents, driving Optuna studies."""

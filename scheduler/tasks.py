@@ -1,0 +1,39 @@
+"""Celery tasks. They take no ORM objects, run one pass each in their own transaction, are
+idempotent (a pass re-reads everything), and wake agents only after the commit."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from scheduler import service
+from server.db import session_scope
+from server.settings import get_settings
+from server.wakeups import Publisher, agent_channel
+
+_publisher: Publisher | None = None
+
+
+def _wake(agent_ids: set[int]) -> None:
+    global _publisher
+    if _publisher is None:
+        _publisher = Publisher(get_settings().redis_url)
+    _publisher.publish(agent_channel(a) for a in agent_ids)
+
+
+@shared_task(name="phalanx.schedule")
+def schedule() -> int:
+    with session_scope(get_settings().database_url) as session:
+        woken = service.schedule_pass(session)
+    _wake(woken)
+    return len(woken)
+
+
+@shared_task(name="phalanx.reap")
+def reap() -> int:
+    settings = get_settings()
+    with session_scope(settings.database_url) as session:
+        woken = service.reap_pass(session, settings.heartbeat_timeout)
+    _wake(woken)
+    if woken:
+        schedule.delay()
+    return len(woken)

@@ -1,0 +1,227 @@
+"""The agent protocol: register, heartbeat, long-poll for work, and report each node's life."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import ValidationError
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, selectinload
+from starlette.concurrency import run_in_threadpool
+
+from phalanx import schemas
+from server import lifecycle, views
+from server.api.deps import (
+    AgentDep,
+    PublisherDep,
+    SessionDep,
+    SettingsDep,
+    UserDep,
+    WaiterDep,
+    read_capped_body,
+)
+from server.errors import Conflict, NotFound, Unprocessable
+from server.ingest import from_unix
+from server.models import Agent, Allocation, AllocationNode, Job, LogLine, utcnow
+from server.wakeups import agent_channel
+
+router = APIRouter(prefix="/agents", tags=["agents"])
+
+
+@router.get("", response_model=list[schemas.Agent])
+def list_agents(session: SessionDep, _: UserDep) -> list[schemas.Agent]:
+    with session.begin():
+        return views.agents(session, list(session.scalars(select(Agent).order_by(Agent.id))))
+
+
+@router.post("/register", response_model=schemas.Agent)
+def register(
+    registration: schemas.AgentRegistration,
+    request: Request,
+    session: SessionDep,
+    publisher: PublisherDep,
+    _: AgentDep,
+) -> schemas.Agent:
+    """Register, or re-register after a restart: the agent's old processes are gone, so are its nodes."""
+    with session.begin():
+        agent = session.scalars(select(Agent).where(Agent.name == registration.name).with_for_update()).one_or_none()
+        woken: set[int] = set()
+        if agent is None:
+            agent = Agent(name=registration.name)
+            session.add(agent)
+        else:
+            woken = lifecycle.fail_agent_nodes(session, agent, "the agent restarted while the node ran")
+        agent.address = registration.address
+        agent.cpu_slots = registration.cpu_slots
+        agent.gpu_slots = registration.gpu_slots
+        agent.state = schemas.AgentState.ACTIVE.value
+        agent.last_heartbeat = session.execute(select(utcnow())).scalar_one()
+        session.flush()
+        result = views.agents(session, [agent])[0]
+    publisher.publish(agent_channel(a) for a in woken)
+    request.app.state.kick_scheduler()
+    return result
+
+
+@router.post("/{agent_id}/heartbeat", status_code=204)
+def heartbeat(agent_id: int, session: SessionDep, _: AgentDep) -> Response:
+    with session.begin():
+        state = session.execute(select(Agent.state).where(Agent.id == agent_id)).scalar_one_or_none()
+        if state is None:
+            raise NotFound(f"agent {agent_id} is not registered; register it first")
+        if state == schemas.AgentState.LOST.value:
+            raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
+        session.execute(update(Agent).where(Agent.id == agent_id).values(last_heartbeat=utcnow()))
+    return Response(status_code=204)
+
+
+def _load_work(session: Session, agent_id: int) -> schemas.AgentWork:
+    with session.begin():
+        if session.get(Agent, agent_id) is None:
+            raise NotFound(f"agent {agent_id} is not registered; register it first")
+        rows = session.execute(
+            select(AllocationNode, Allocation, Job)
+            .join(Allocation, AllocationNode.allocation_id == Allocation.id)
+            .join(Job, Allocation.job_id == Job.id)
+            .where(AllocationNode.agent_id == agent_id, AllocationNode.state != schemas.NodeState.EXITED.value)
+            .options(selectinload(Allocation.nodes))
+            .order_by(AllocationNode.id)
+        ).all()
+        assignments = []
+        for node, allocation, job in rows:
+            spec = schemas.JobSpec.model_validate(job.spec)
+            assignments.append(
+                schemas.Assignment(
+                    allocation_id=allocation.id,
+                    job_id=job.id,
+                    attempt=allocation.attempt,
+                    node_rank=node.node_rank,
+                    nnodes=len(allocation.nodes),
+                    nproc_per_node=job.slots_per_node,
+                    slot_type=schemas.SlotType(node.slot_type),
+                    slot_indices=list(node.slot_indices),
+                    master_addr=allocation.master_addr,
+                    master_port=allocation.master_port,
+                    desired="stop" if node.desired == "stop" else "run",
+                    entrypoint=spec.entrypoint,
+                    env=spec.env,
+                    hyperparameters=spec.hyperparameters,
+                    precision=spec.precision,
+                )
+            )
+    body = "[" + ",".join(a.model_dump_json() for a in assignments) + "]"
+    return schemas.AgentWork(version=hashlib.sha1(body.encode()).hexdigest(), assignments=assignments)
+
+
+@router.get("/{agent_id}/work", response_model=schemas.AgentWork)
+async def agent_work(
+    agent_id: int,
+    request: Request,
+    settings: SettingsDep,
+    waiter: WaiterDep,
+    _: AgentDep,
+    version: str = "",
+    wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
+) -> schemas.AgentWork:
+    """The agent's assignments; with `version` and `wait`, hangs until they differ from that version."""
+    deadline = time.monotonic() + min(wait, settings.work_poll_seconds)
+    sessions = request.app.state.sessions
+    async with waiter.listen(agent_channel(agent_id)) as event:
+        while True:
+            event.clear()
+
+            def load() -> schemas.AgentWork:
+                with sessions() as session:
+                    return _load_work(session, agent_id)
+
+            work = await run_in_threadpool(load)
+            remaining = deadline - time.monotonic()
+            if work.version != version or remaining <= 0:
+                return work
+            await waiter.wait(event, remaining)
+
+
+@router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
+def rendezvous(
+    agent_id: int,
+    allocation_id: int,
+    body: schemas.Rendezvous,
+    session: SessionDep,
+    publisher: PublisherDep,
+    _: AgentDep,
+) -> Response:
+    """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
+    with session.begin():
+        allocation, _node = lifecycle.find_node(session, agent_id, allocation_id, 0)
+        if not allocation.active:
+            raise Conflict(f"allocation {allocation_id} has ended; its rendezvous cannot change")
+        allocation.master_port = body.master_port
+        peers = {n.agent_id for n in allocation.nodes}
+    publisher.publish(agent_channel(a) for a in peers)
+    return Response(status_code=204)
+
+
+@router.post("/{agent_id}/allocations/{allocation_id}/started", status_code=204)
+def node_started(
+    agent_id: int, allocation_id: int, body: schemas.NodeStarted, session: SessionDep, _: AgentDep
+) -> Response:
+    with session.begin():
+        allocation, node = lifecycle.find_node(session, agent_id, allocation_id, body.node_rank)
+        lifecycle.record_node_started(session, allocation, node)
+    return Response(status_code=204)
+
+
+@router.post("/{agent_id}/allocations/{allocation_id}/exit", status_code=204)
+def node_exit(
+    agent_id: int,
+    allocation_id: int,
+    body: schemas.NodeExit,
+    request: Request,
+    session: SessionDep,
+    publisher: PublisherDep,
+    _: AgentDep,
+) -> Response:
+    with session.begin():
+        allocation, node = lifecycle.find_node(session, agent_id, allocation_id, body.node_rank)
+        woken = lifecycle.record_node_exit(session, allocation, node, body.exit_code, body.reason)
+    publisher.publish(agent_channel(a) for a in woken)
+    request.app.state.kick_scheduler()  # slots were freed
+    return Response(status_code=204)
+
+
+@router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)
+async def ship_logs(
+    agent_id: int, allocation_id: int, request: Request, settings: SettingsDep, _: AgentDep
+) -> Response:
+    raw = await read_capped_body(request, settings.max_log_batch_bytes, "the log batch")
+    try:
+        batch = schemas.LogBatch.model_validate_json(raw)
+    except ValidationError as exc:
+        raise Unprocessable(f"invalid log batch: {exc.errors()[0]['msg']}", exc.errors()) from exc
+
+    def store() -> None:
+        with request.app.state.sessions() as session, session.begin():
+            allocation = session.get(Allocation, allocation_id)
+            if allocation is None:
+                raise NotFound(f"allocation {allocation_id} does not exist")
+            if not any(n.agent_id == agent_id for n in allocation.nodes):
+                raise Conflict(f"allocation {allocation_id} has no node on agent {agent_id}")
+            if not allocation.active:
+                raise Conflict(f"allocation {allocation_id} has ended; its logs are closed")
+            session.add_all(
+                LogLine(
+                    job_id=allocation.job_id,
+                    allocation_id=allocation_id,
+                    rank=line.rank,
+                    stream=line.stream,
+                    time=from_unix(line.time),
+                    line=line.line,
+                )
+                for line in batch.lines
+            )
+
+    await run_in_threadpool(store)
+    return Response(status_code=204)

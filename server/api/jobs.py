@@ -1,0 +1,175 @@
+"""Jobs: submit, list, show, kill, logs, metrics, and the code bundle agents fetch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import FileResponse
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+
+from phalanx import schemas
+from server import lifecycle, views
+from server.api.deps import AgentDep, PublisherDep, SessionDep, SettingsDep, UserDep
+from server.errors import NotFound, TooLarge, Unprocessable
+from server.models import Allocation, AllocationNode, Job, LogLine, Metric
+from server.wakeups import agent_channel
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+def _parse_spec(raw: str) -> schemas.JobSpec:
+    try:
+        return schemas.JobSpec.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in exc.errors()]
+        summary = "; ".join(f"{p['field'] or 'spec'}: {p['problem']}" for p in problems)
+        raise Unprocessable(f"invalid job spec: {summary}", problems) from exc
+
+
+def _store_bundle(settings: SettingsDep, bundle: UploadFile) -> tuple[str, int]:
+    """Copy the upload to the content-addressed bundle store, enforcing the size cap as it streams."""
+    settings.bundle_dir.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    fd, tmp = tempfile.mkstemp(dir=settings.bundle_dir, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while chunk := bundle.file.read(1 << 20):
+                size += len(chunk)
+                if size > settings.max_bundle_bytes:
+                    raise TooLarge(
+                        f"the code bundle is over the {settings.max_bundle_bytes // 2**20} MiB cap; "
+                        "keep data sets out of the job's workdir"
+                    )
+                digest.update(chunk)
+                out.write(chunk)
+        sha = digest.hexdigest()
+        os.replace(tmp, settings.bundle_dir / f"{sha}.tar.gz")
+        return sha, size
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@router.post("", status_code=201, response_model=schemas.Job)
+def submit_job(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: UserDep,
+    spec: Annotated[str, Form(description="The JobSpec as JSON")],
+    bundle: Annotated[UploadFile | None, File(description="The workdir as .tar.gz")] = None,
+) -> schemas.Job:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > settings.max_bundle_bytes + (1 << 20):
+        raise TooLarge(f"the upload is over the {settings.max_bundle_bytes // 2**20} MiB bundle cap")
+    job_spec = _parse_spec(spec)
+    sha, size = _store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    assert user.user_id is not None
+    with session.begin():
+        job = lifecycle.create_job(session, job_spec, user.user_id, sha, size)
+        result = views.job(session, job, latest=False)
+    request.app.state.kick_scheduler()
+    return result
+
+
+@router.get("", response_model=list[schemas.Job])
+def list_jobs(
+    session: SessionDep,
+    _: UserDep,
+    state: schemas.JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> list[schemas.Job]:
+    query = select(Job).options(selectinload(Job.owner)).order_by(Job.id.desc()).limit(limit).offset(offset)
+    if state is not None:
+        query = query.where(Job.state == state.value)
+    with session.begin():
+        return [views.job(session, row) for row in session.scalars(query)]
+
+
+@router.get("/{job_id}", response_model=schemas.JobDetail)
+def show_job(job_id: int, session: SessionDep, _: UserDep) -> schemas.JobDetail:
+    with session.begin():
+        job = session.scalars(
+            select(Job)
+            .where(Job.id == job_id)
+            .options(
+                selectinload(Job.events),
+                selectinload(Job.allocations).selectinload(Allocation.nodes).selectinload(AllocationNode.agent),
+            )
+        ).one_or_none()
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist; `phalanx jobs list` shows the jobs you can see")
+        return views.job_detail(session, job)
+
+
+@router.post("/{job_id}/kill", response_model=schemas.Job)
+def kill_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Job:
+    with session.begin():
+        job = lifecycle.get_job(session, job_id, lock=True)
+        woken = lifecycle.kill_job(session, job)
+        result = views.job(session, job)
+    publisher.publish(agent_channel(a) for a in woken)
+    return result
+
+
+@router.get("/{job_id}/logs", response_model=list[schemas.LogRecord])
+def job_logs(
+    job_id: int,
+    session: SessionDep,
+    _: UserDep,
+    rank: int | None = None,
+    after: Annotated[int, Query(ge=0, description="Only lines with an id above this")] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> list[schemas.LogRecord]:
+    with session.begin():
+        lifecycle.get_job(session, job_id)
+        query = select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after).order_by(LogLine.id).limit(limit)
+        if rank is not None:
+            query = query.where(LogLine.rank == rank)
+        return [views.log_record(row) for row in session.scalars(query)]
+
+
+@router.get("/{job_id}/metrics", response_model=list[schemas.MetricPoint])
+def job_metrics(
+    job_id: int,
+    session: SessionDep,
+    _: UserDep,
+    name: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+) -> list[schemas.MetricPoint]:
+    with session.begin():
+        lifecycle.get_job(session, job_id)
+        query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.id).limit(limit)
+        if name is not None:
+            query = query.where(Metric.name == name)
+        return [
+            schemas.MetricPoint(
+                allocation_id=m.allocation_id,
+                rank=m.rank,
+                step=m.step,
+                name=m.name,
+                value=m.value,
+                time=m.time,
+            )
+            for m in session.scalars(query)
+        ]
+
+
+@router.get("/{job_id}/bundle", response_class=FileResponse)
+def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: AgentDep) -> FileResponse:
+    with session.begin():
+        job = lifecycle.get_job(session, job_id)
+        sha = job.bundle_sha256
+    if sha is None:
+        raise NotFound(f"job {job_id} was submitted without a code bundle")
+    path = settings.bundle_dir / f"{sha}.tar.gz"
+    if not path.exists():
+        raise NotFound(f"the code bundle of job {job_id} is missing from {settings.bundle_dir}")
+    return FileResponse(path, media_type="application/gzip")

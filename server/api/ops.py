@@ -1,0 +1,56 @@
+"""Unauthenticated operational routes: health, Prometheus metrics, the dashboard's index page."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.models import Agent, Job
+
+router = APIRouter(include_in_schema=False)
+
+
+class StateCollector(Collector):
+    """Job and agent counts by state, read from the database at scrape time."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self._sessions = sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily("phalanx_jobs", "Jobs by state", labels=["state"])
+        agents = GaugeMetricFamily("phalanx_agents", "Agents by state", labels=["state"])
+        with self._sessions() as session:
+            for state, count in session.execute(select(Job.state, func.count()).group_by(Job.state)):
+                jobs.add_metric([state], count)
+            for state, count in session.execute(select(Agent.state, func.count()).group_by(Agent.state)):
+                agents.add_metric([state], count)
+        yield jobs
+        yield agents
+
+
+@router.get("/healthz")
+def healthz(request: Request) -> JSONResponse:
+    try:
+        with request.app.state.sessions() as session:
+            session.execute(text("SELECT 1"))
+    except Exception as exc:  # the health check reports, never raises
+        return JSONResponse({"status": "unhealthy", "database": str(exc)[:200]}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+def prometheus(request: Request) -> Response:
+    registry: CollectorRegistry = request.app.state.prometheus
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", response_class=HTMLResponse)
+def index(request: Request) -> HTMLResponse:
+    return request.app.state.templates.TemplateResponse(request, "index.html", {"title": "Phalanx"})  # type: ignore[no-any-return]

@@ -1,0 +1,87 @@
+"""The FastAPI application: wiring only. Routes live in `server.api`, rules in `server.lifecycle`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.templating import Jinja2Templates
+from prometheus_client import CollectorRegistry
+
+from server import auth
+from server.api import agents, allocations, jobs, ops, tokens
+from server.api.deps import get_principal
+from server.db import check_schema, session_factory, session_scope
+from server.errors import install_handlers
+from server.settings import Settings
+from server.wakeups import Publisher, Waiter
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+log = logging.getLogger("phalanx.server")
+
+
+def _kicker(settings: Settings) -> Callable[[], None]:
+    """Enqueue a scheduling pass after a commit; the periodic pass covers a broker outage."""
+    from scheduler.celery_app import SCHEDULE_TASK, make_celery
+
+    celery = make_celery(settings)
+
+    def kick() -> None:
+        try:
+            celery.send_task(SCHEDULE_TASK, expires=60, retry=False)
+        except Exception as exc:  # the beat pass will place the job within schedule_interval
+            log.warning("could not enqueue a scheduling pass: %s", exc)
+
+    return kick
+
+
+def create_app(settings: Settings, *, kick_scheduler: Callable[[], None] | None = None) -> FastAPI:
+    """Build the app on a migrated database. Raises `SchemaOutOfDate` naming the fix otherwise."""
+    check_schema(settings.database_url)
+    with session_scope(settings.database_url) as session:
+        generated = auth.bootstrap(session, settings.admin_token, settings.agent_token)
+    if generated:
+        print(f"Phalanx admin token (shown once): {generated}", flush=True)
+
+    waiter = Waiter(settings.redis_url)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await waiter.start()
+        yield
+        await waiter.stop()
+
+    app = FastAPI(
+        title="Phalanx",
+        version="0.1.0",
+        description="Distributed PyTorch training: jobs, agents, metrics and logs.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.sessions = session_factory(settings.database_url)
+    app.state.token_cache = auth.TokenCache()
+    app.state.publisher = Publisher(settings.redis_url)
+    app.state.waiter = waiter
+    app.state.kick_scheduler = kick_scheduler or _kicker(settings)
+    app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
+    registry = CollectorRegistry()
+    registry.register(ops.StateCollector(app.state.sessions))
+    app.state.prometheus = registry
+    install_handlers(app)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse({"error": f"internal error ({type(exc).__name__}); see the server log"}, 500)
+
+    # Authenticated by default: every /api/v1 route needs a bearer token.
+    api = APIRouter(prefix="/api/v1", dependencies=[Depends(get_principal)])
+    for module in (jobs, agents, allocations, tokens):
+        api.include_router(module.router)
+    app.include_router(api)
+    app.include_router(ops.router)
+    return app

@@ -1,0 +1,115 @@
+"""The one place that makes engines and sessions, and checks that the schema is current.
+
+Contract: callers own their transactions (`with session_scope(...)` or a route's session); the
+repository functions in `server.repo` only flush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# Optuna's RDBStorage keeps its own `alembic_version` in the same database; ours must not collide.
+VERSION_TABLE = "phalanx_alembic_version"
+
+
+class SchemaOutOfDate(RuntimeError):
+    pass
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
+        _sqlite_pragmas(engine)
+        return engine
+    if "poolclass" not in kwargs:
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 20)
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def _sqlite_pragmas(engine: Engine) -> None:
+    # pysqlite's own transaction handling defers BEGIN and upgrades read locks to write locks late,
+    # which deadlocks two writers; take the write lock up front instead (SQLAlchemy's recipe).
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@lru_cache(maxsize=8)
+def engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(engine_for(url), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """A session whose transaction commits on success and rolls back on error."""
+    with session_factory(url)() as session, session.begin():
+        yield session
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["version_table"] = VERSION_TABLE
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(url: str) -> str | None:
+    from alembic.migration import MigrationContext
+
+    with engine_for(url).connect() as conn:
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def check_schema(url: str) -> None:
+    """Refuse to run on an unmigrated or older schema, saying which command fixes it."""
+    current, head = current_revision(url), head_revision()
+    if current != head:
+        state = "has no Phalanx schema" if current is None else f"is at revision {current}"
+        raise SchemaOutOfDate(
+            f"the database {state}, but this Phalanx needs revision {head}. "
+            "Run `phalanx db upgrade` (with the same PHALANX_DATABASE_URL) and start again."
+        )

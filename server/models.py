@@ -1,0 +1,219 @@
+"""SQLAlchemy ORM classes. They never leave the server's data layer: routes return `phalanx.schemas`.
+
+Times are naive UTC written by the database clock (`utcnow()`, inlined into each INSERT as a SQL
+expression, not a server default, so one schema serves PostgreSQL and SQLite), so heartbeats never
+depend on a host's clock.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.functions import FunctionElement
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite has no BIGINT autoincrement; plain INTEGER PRIMARY KEY is its 64-bit rowid.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class utcnow(FunctionElement[datetime]):
+    """The database's current UTC time as a naive timestamp."""
+
+    type = DateTime()
+    inherit_cache = True
+
+
+@compiles(utcnow, "postgresql")
+def _pg_utcnow(element: utcnow, compiler: Any, **kw: Any) -> str:
+    return "timezone('utc', clock_timestamp())"
+
+
+@compiles(utcnow, "sqlite")
+def _sqlite_utcnow(element: utcnow, compiler: Any, **kw: Any) -> str:
+    return "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+
+class ApiToken(Base):
+    """A bearer token, stored as its SHA-256 only. `kind` separates users from agents."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "user" | "agent"
+    name: Mapped[str] = mapped_column(String(64))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+    user: Mapped[User | None] = relationship()
+
+
+class Agent(Base):
+    __tablename__ = "agents"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    cpu_slots: Mapped[int] = mapped_column(Integer)
+    gpu_slots: Mapped[int] = mapped_column(Integer, default=0)
+    registered_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    last_heartbeat: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    priority: Mapped[int] = mapped_column(Integer)
+    nodes: Mapped[int] = mapped_column(Integer)
+    slots_per_node: Mapped[int] = mapped_column(Integer)
+    slot_type: Mapped[str] = mapped_column(String(8))
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64))
+    bundle_size: Mapped[int] = mapped_column(BigInteger, default=0)
+    wait_reason: Mapped[str | None] = mapped_column(Text)
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    submitted_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    owner: Mapped[User] = relationship()
+    events: Mapped[list[JobEvent]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
+    allocations: Mapped[list[Allocation]] = relationship(
+        order_by="Allocation.attempt", cascade="all, delete-orphan", back_populates="job"
+    )
+
+
+class JobEvent(Base):
+    """Every state transition of a job, written only by `server.transitions`."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    time: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class Allocation(Base):
+    """One attempt of a job: which agent hosts which node rank, and where rank 0 listens."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (UniqueConstraint("job_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    master_addr: Mapped[str] = mapped_column(String(255))
+    master_port: Mapped[int | None] = mapped_column(Integer)
+    active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    job: Mapped[Job] = relationship(back_populates="allocations")
+    nodes: Mapped[list[AllocationNode]] = relationship(
+        order_by="AllocationNode.node_rank", cascade="all, delete-orphan", back_populates="allocation"
+    )
+
+
+class AllocationNode(Base):
+    __tablename__ = "allocation_nodes"
+    __table_args__ = (UniqueConstraint("allocation_id", "node_rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id"), index=True)
+    slot_type: Mapped[str] = mapped_column(String(8))
+    slot_indices: Mapped[list[int]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16))
+    desired: Mapped[str] = mapped_column(String(8), default="run")  # "run" | "stop"
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    allocation: Mapped[Allocation] = relationship(back_populates="nodes")
+    agent: Mapped[Agent] = relationship()
+
+
+class SlotLease(Base):
+    """A slot held by a node that has not exited. The primary key makes double-booking impossible."""
+
+    __tablename__ = "slot_leases"
+
+    agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id"), primary_key=True)
+    slot_type: Mapped[str] = mapped_column(String(8), primary_key=True)
+    slot_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("allocation_nodes.id", ondelete="CASCADE"), index=True)
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    name: Mapped[str] = mapped_column(String(128))
+    value: Mapped[float] = mapped_column(Float)
+    time: Mapped[datetime] = mapped_column(DateTime)
+
+
+class LogLine(Base):
+    __tablename__ = "log_lines"
+    __table_args__ = (Index("ix_log_lines_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"))
+    rank: Mapped[int | None] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    time: Mapped[datetime] = mapped_column(DateTime)
+    line: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,58 @@
+"""Server-side configuration, read from the environment (prefix PHALANX_)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".phalanx")
+    # Empty means the embedded default: SQLite and a filesystem broker under data_dir.
+    database_url: str = ""
+    broker_url: str = ""
+    heartbeat_interval: float = Field(2.0, gt=0)
+    heartbeat_timeout: float = Field(10.0, gt=0)
+    admin_token: str | None = None
+    agent_token: str | None = None
+    max_bundle_bytes: int = 64 * 1024 * 1024
+    max_metric_batch_bytes: int = 32 * 1024 * 1024
+    max_log_batch_bytes: int = 8 * 1024 * 1024
+    # How long an agent's long-poll for new work may hang before it returns unchanged.
+    work_poll_seconds: float = Field(20.0, gt=0)
+    schedule_interval: float = Field(3.0, gt=0)
+
+    @model_validator(mode="after")
+    def _embedded_defaults(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'phalanx.db'}"
+        if not self.broker_url:
+            self.broker_url = "filesystem://"
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def redis_url(self) -> str | None:
+        """Redis for wake-ups: the broker itself when it is Redis, else none (poll instead)."""
+        return self.broker_url if self.broker_url.startswith(("redis://", "rediss://")) else None
+
+    @property
+    def bundle_dir(self) -> Path:
+        return self.data_dir / "bundles"
+
+    @property
+    def broker_dir(self) -> Path:
+        return self.data_dir / "broker"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

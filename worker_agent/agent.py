@@ -1,0 +1,309 @@
+"""The per-node daemon: register, heartbeat, long-poll for work, run each node of a gang.
+
+It talks to the server only through the SDK (`phalanx.client.Client`). Reports that must arrive
+(rendezvous, started, exit, logs) are retried with backoff while the server is unreachable; a
+4xx answer is final and logged.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tarfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+from tenacity import RetryCallState, retry, retry_if_exception, stop_after_delay, wait_exponential
+
+from phalanx.client import ApiError, Client
+from phalanx.schemas import AgentRegistration, Assignment, LogLine
+from worker_agent.launcher import NodeProcess, free_port, rank_env, torchrun_command
+
+log = logging.getLogger("phalanx.agent")
+T = TypeVar("T")
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, httpx.TransportError) or (isinstance(exc, ApiError) and exc.status >= 500)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    log.warning("server unreachable (%s); retrying", state.outcome.exception() if state.outcome else "?")
+
+
+def reliably(fn: Callable[[], T], give_up_after: float = 3600.0) -> T:
+    """Call `fn` until it succeeds or fails for a reason retrying cannot fix."""
+    caller = retry(
+        retry=retry_if_exception(_transient),
+        wait=wait_exponential(multiplier=0.2, max=5.0),
+        stop=stop_after_delay(give_up_after),
+        before_sleep=_log_retry,
+        reraise=True,
+    )(fn)
+    return caller()
+
+
+@dataclass
+class AgentConfig:
+    server_url: str
+    token: str
+    name: str
+    address: str
+    cpu_slots: int
+    gpu_slots: int
+    work_dir: Path
+    heartbeat_interval: float = 2.0
+    kill_grace: float = 10.0
+    poll_seconds: float = 20.0
+
+
+class LogShipper(threading.Thread):
+    """Batches output lines per allocation and ships them; `flush(allocation)` drains one now."""
+
+    def __init__(self, agent: AgentDaemon) -> None:
+        super().__init__(name="log-shipper", daemon=True)
+        self._agent = agent
+        self._lock = threading.Condition()
+        self._pending: dict[int, list[LogLine]] = defaultdict(list)
+        self._ship_lock = threading.Lock()
+
+    def add(self, allocation_id: int, line: LogLine) -> None:
+        with self._lock:
+            self._pending[allocation_id].append(line)
+            if len(self._pending[allocation_id]) >= 500:
+                self._lock.notify()
+
+    def flush(self, allocation_id: int) -> None:
+        with self._lock:
+            lines = self._pending.pop(allocation_id, [])
+        self._ship(allocation_id, lines)
+
+    def _ship(self, allocation_id: int, lines: list[LogLine]) -> None:
+        if not lines:
+            return
+        with self._ship_lock:  # keep each allocation's lines in order
+            for start in range(0, len(lines), 2000):
+                chunk = lines[start : start + 2000]
+                try:
+                    reliably(lambda c=chunk: self._agent.client.ship_logs(self._agent.agent_id, allocation_id, c))  # type: ignore[misc]
+                except ApiError as exc:
+                    log.warning("dropped %d log lines of allocation %d: %s", len(chunk), allocation_id, exc)
+                    return
+
+    def run(self) -> None:
+        while not self._agent.stopping.is_set():
+            with self._lock:
+                self._lock.wait(timeout=0.25)
+                batches, self._pending = dict(self._pending), defaultdict(list)
+            for allocation_id, lines in batches.items():
+                self._ship(allocation_id, lines)
+
+
+class NodeRunner(threading.Thread):
+    """Runs one node of one allocation from bundle download to the exit report."""
+
+    def __init__(self, agent: AgentDaemon, assignment: Assignment) -> None:
+        super().__init__(name=f"node-{assignment.allocation_id}-{assignment.node_rank}", daemon=True)
+        self.agent = agent
+        self._assignment = assignment
+        self._changed = threading.Condition()
+        self._process: NodeProcess | None = None
+        self._stop_requested = False
+
+    @property
+    def allocation_id(self) -> int:
+        return self._assignment.allocation_id
+
+    def update(self, assignment: Assignment | None) -> None:
+        """A newer view from the server; None means the server no longer knows this node."""
+        with self._changed:
+            if assignment is None or assignment.desired == "stop":
+                self._stop_requested = True
+            if assignment is not None:
+                self._assignment = assignment
+            self._changed.notify_all()
+        if self._stop_requested and self._process is not None:
+            threading.Thread(target=self._process.stop, args=(self.agent.config.kill_grace,), daemon=True).start()
+
+    def run(self) -> None:
+        a = self._assignment
+        exit_code, reason = 1, ""
+        try:
+            workdir = self._prepare()
+            a = self._await_rendezvous()
+            if a is None:
+                exit_code, reason = -15, "stopped before launch"
+            else:
+                exit_code, reason = self._launch_and_wait(a, workdir)
+        except Exception as exc:  # anything here fails the node, never the agent
+            log.exception("node %d of allocation %d failed to run", a.node_rank, a.allocation_id)
+            exit_code, reason = 1, f"agent could not run the node: {exc}"
+        finally:
+            self.agent.shipper.flush(a.allocation_id)
+            try:
+                reliably(
+                    lambda: self.agent.client.node_exited(
+                        self.agent.agent_id, a.allocation_id, a.node_rank, exit_code, reason
+                    )
+                )
+            except ApiError as exc:
+                log.warning("exit report for allocation %d refused: %s", a.allocation_id, exc)
+            self.agent.forget(self)
+
+    def _prepare(self) -> Path:
+        a = self._assignment
+        root = self.agent.config.work_dir / f"alloc-{a.allocation_id}-node-{a.node_rank}"
+        workdir = root / "workdir"
+        if root.exists():
+            shutil.rmtree(root)
+        workdir.mkdir(parents=True)
+        try:
+            bundle = reliably(lambda: self.agent.client.download_bundle(a.job_id))
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            return workdir  # a job without code: the entrypoint is on the node already
+        with tarfile.open(fileobj=io.BytesIO(bundle), mode="r:gz") as tar:
+            tar.extractall(workdir, filter="data")
+        return workdir
+
+    def _await_rendezvous(self) -> Assignment | None:
+        a = self._assignment
+        if a.node_rank == 0 and a.master_port is None:
+            port = free_port(self.agent.config.address)
+            reliably(lambda: self.agent.client.set_rendezvous(self.agent.agent_id, a.allocation_id, port))
+            with self._changed:
+                self._assignment = a.model_copy(update={"master_port": port})
+        with self._changed:
+            while self._assignment.master_port is None and not self._stop_requested:
+                self._changed.wait(timeout=1.0)
+            return None if self._stop_requested else self._assignment
+
+    def _launch_and_wait(self, a: Assignment, workdir: Path) -> tuple[int, str]:
+        cfg = self.agent.config
+        env = rank_env(a, dict(os.environ), cfg.server_url, cfg.token, cfg.address)
+        log_dir = workdir.parent / "torchrun-logs"
+        tail: list[str] = []
+
+        def on_line(rank: int | None, stream: str, text: str) -> None:
+            if stream == "stderr":
+                tail.append(text)
+                del tail[:-20]
+            self.agent.shipper.add(a.allocation_id, LogLine(rank=rank, stream=stream, time=time.time(), line=text))  # type: ignore[arg-type]
+
+        with self._changed:
+            if self._stop_requested:
+                return -15, "stopped before launch"
+            self._process = NodeProcess(
+                torchrun_command(a, log_dir), env, workdir, a.node_rank, a.nproc_per_node, on_line
+            )
+        log.info("allocation %d node %d: torchrun pid %d", a.allocation_id, a.node_rank, self._process.pid)
+        try:
+            reliably(lambda: self.agent.client.node_started(self.agent.agent_id, a.allocation_id, a.node_rank))
+        except ApiError as exc:  # superseded while launching: stop what we started
+            log.warning("start report refused (%s); stopping", exc)
+            self._process.stop(cfg.kill_grace)
+        code = self._process.wait()
+        reason = "stopped by Phalanx" if self._stop_requested else ("\n".join(tail[-5:]) if code else "")
+        return code, reason
+
+
+class AgentDaemon:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.client = Client(config.server_url, config.token)
+        self.agent_id = 0
+        self.stopping = threading.Event()
+        self.shipper = LogShipper(self)
+        self._runners: dict[tuple[int, int], NodeRunner] = {}
+        self._lock = threading.Lock()
+
+    def register(self) -> None:
+        registration = AgentRegistration(
+            name=self.config.name,
+            address=self.config.address,
+            cpu_slots=self.config.cpu_slots,
+            gpu_slots=self.config.gpu_slots,
+        )
+        agent = reliably(lambda: self.client.register_agent(registration))
+        self.agent_id = agent.id
+        log.info("registered as agent %d (%s, %s)", agent.id, agent.name, agent.address)
+
+    def forget(self, runner: NodeRunner) -> None:
+        with self._lock:
+            for key, value in list(self._runners.items()):
+                if value is runner:
+                    del self._runners[key]
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.wait(self.config.heartbeat_interval):
+            try:
+                self.client.heartbeat(self.agent_id)
+            except ApiError as exc:
+                if exc.status in (404, 409):  # declared lost, or the database forgot us
+                    log.warning("%s; registering again", exc.message)
+                    self.register()
+            except httpx.TransportError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def reconcile(self, assignments: list[Assignment]) -> None:
+        wanted = {(a.allocation_id, a.node_rank): a for a in assignments}
+        with self._lock:
+            for key, runner in list(self._runners.items()):
+                runner.update(wanted.get(key))
+            for key, assignment in wanted.items():
+                if key not in self._runners and assignment.desired == "run":
+                    runner = NodeRunner(self, assignment)
+                    self._runners[key] = runner
+                    runner.start()
+                elif key not in self._runners:
+                    # Told to stop a node we are not running (we restarted): report it gone.
+                    threading.Thread(target=self._report_absent, args=(assignment,), daemon=True).start()
+
+    def _report_absent(self, a: Assignment) -> None:
+        try:
+            reliably(
+                lambda: self.client.node_exited(self.agent_id, a.allocation_id, a.node_rank, -9, "not running here")
+            )
+        except ApiError as exc:
+            log.warning("could not report absent node: %s", exc)
+
+    def run(self) -> None:
+        self.register()
+        self.shipper.start()
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        version = ""
+        while not self.stopping.is_set():
+            try:
+                work = self.client.agent_work(self.agent_id, version, wait=self.config.poll_seconds)
+            except httpx.TransportError as exc:
+                log.warning("cannot reach the server (%s); retrying", exc)
+                self.stopping.wait(1.0)
+                continue
+            except ApiError as exc:
+                if exc.status == 404:
+                    self.register()
+                    continue
+                log.warning("work poll refused: %s", exc)
+                self.stopping.wait(1.0)
+                continue
+            version = work.version
+            self.reconcile(work.assignments)
+
+    def shutdown(self) -> None:
+        """Stop every node this agent runs (SIGTERM, then SIGKILL) and end the loops."""
+        self.stopping.set()
+        with self._lock:
+            runners = list(self._runners.values())
+        for runner in runners:
+            runner.update(None)
+        for runner in runners:
+            runner.join(timeout=self.config.kill_grace + 5)

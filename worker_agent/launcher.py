@@ -1,0 +1,186 @@
+"""Launch torchrun for one node of a gang, stream its ranks' output, and stop it without orphans.
+
+torchrun starts every rank in a session of its own (start_new_session=True), so signalling
+torchrun's process group would miss them: stopping walks the whole process tree instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from phalanx.schemas import Assignment
+
+# torchrun --tee prefixes every line of a rank with "[<role><local_rank>]:".
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+
+
+def free_port(address: str) -> int:
+    """A port free now on `address`, for rank 0's rendezvous store."""
+    host = address if address not in ("", "localhost") else "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def interface_for(address: str) -> str | None:
+    """The network interface that owns `address`; gloo must bind there, not to loopback."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def entry_argv(entrypoint: str) -> list[str]:
+    """The job's command, with `python` meaning the interpreter Phalanx itself runs on."""
+    argv = shlex.split(entrypoint)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def torchrun_command(a: Assignment, log_dir: Path) -> list[str]:
+    assert a.master_port is not None
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={a.nnodes}",
+        f"--node-rank={a.node_rank}",
+        f"--nproc-per-node={a.nproc_per_node}",
+        f"--master-addr={a.master_addr}",
+        f"--master-port={a.master_port}",
+        "--rdzv-backend=static",
+        # Phalanx owns restarts: every attempt is a fresh torchrun on a fresh port (DESIGN.md).
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        "--tee=3",
+        f"--log-dir={log_dir}",
+        "--no-python",
+        *entry_argv(a.entrypoint),
+    ]
+
+
+def rank_env(a: Assignment, base: dict[str, str], server_url: str, token: str, address: str) -> dict[str, str]:
+    import json
+
+    env = dict(base)
+    env.update(a.env)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env.update(
+        PYTHONUNBUFFERED="1",
+        PHALANX_URL=server_url,
+        PHALANX_TOKEN=token,
+        PHALANX_JOB_ID=str(a.job_id),
+        PHALANX_ALLOCATION_ID=str(a.allocation_id),
+        PHALANX_ATTEMPT=str(a.attempt),
+        PHALANX_HPARAMS=json.dumps(a.hyperparameters),
+        PHALANX_PRECISION=a.precision.value,
+    )
+    if a.slot_type.value == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in a.slot_indices)
+    iface = interface_for(address)
+    if iface and not address.startswith("127."):
+        env["GLOO_SOCKET_IFNAME"] = iface
+    return env
+
+
+class NodeProcess:
+    """One torchrun and its ranks. `on_line(rank, stream, line)` gets every output line."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        node_rank: int,
+        nproc: int,
+        on_line: Callable[[int | None, str, str], None],
+    ) -> None:
+        self._proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.pid = self._proc.pid
+        self._pumps = [
+            threading.Thread(target=self._pump, args=(stream, name, node_rank * nproc, on_line), daemon=True)
+            for stream, name in ((self._proc.stdout, "stdout"), (self._proc.stderr, "stderr"))
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    @staticmethod
+    def _pump(stream: object, name: str, first_rank: int, on_line: Callable[[int | None, str, str], None]) -> None:
+        assert hasattr(stream, "readline")
+        for raw in iter(stream.readline, b""):
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            match = _RANK_PREFIX.match(text)
+            if match:
+                on_line(first_rank + int(match.group(1)), name, text[match.end() :])
+            else:
+                on_line(None, name, text)
+
+    def wait(self) -> int:
+        """Wait for torchrun and for the end of its output; the exit code (negative: a signal)."""
+        code = self._proc.wait()
+        for pump in self._pumps:
+            pump.join(timeout=10)
+        return code
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM the whole tree, then SIGKILL whatever is left after `grace` seconds."""
+        try:
+            root = psutil.Process(self.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            alive = [p for p in tree if _alive(p)]
+            if not alive:
+                return
+            # New ranks may have appeared while we waited; include them.
+            tree = alive + [c for p in alive for c in _children(p) if c not in alive]
+            time.sleep(0.05)
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
