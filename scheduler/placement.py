@@ -255,7 +255,7 @@ class _Pool:
                 del bucket[bisect_left(bucket, number)]
                 insort(self.buckets[count - holding], number)
                 del self.free[number][:holding]
-                pass
+                self.held[number] = holding
         return [self.agents[number].name for _, number in picked]
 
 

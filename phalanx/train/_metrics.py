@@ -245,9 +245,10 @@ class MetricPipeline:
                 continue
             try:
                 # float() of a 0-dim tensor is its .item(): the device sync happens here, off the
-                # training thread.
-                value = float(raw)
-            except (TypeError, ValueError, RuntimeError):
+                # training thread. detach() first: a loss still attached to its graph warns.
+                detach = getattr(raw, "detach", None)
+                value = float(detach() if callable(detach) else raw)
+            except Exception:  # anything that is not a number, including a warning made an error
                 self._dropped_invalid += 1
                 continue
             if not math.isfinite(value):

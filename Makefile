@@ -1,0 +1,47 @@
+# One command per task. `make demo` and `make test` work on a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test test-unit test-integration test-e2e bench lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, from its CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/phalanx demo
+
+test: install
+	$(VENV)/bin/pytest
+
+test-unit: install
+	$(VENV)/bin/pytest tests/unit
+
+test-integration: install
+	$(VENV)/bin/pytest tests/integration
+
+test-e2e: install
+	$(VENV)/bin/pytest tests/e2e
+
+bench: install
+	$(PY) -m bench.run_all
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy phalanx server scheduler worker_agent
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,306 @@
+"""The REST API on a real PostgreSQL: auth, the job path from submit to COMPLETED, bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, text, update
+
+from scheduler.service import reap_pass, schedule_pass
+from server.app import create_app
+from server.db import SchemaOutOfDate, engine_for, session_scope
+from server.models import Agent, Job, Metric
+from server.settings import Settings
+from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN, PG_ADMIN
+
+pytestmark = pytest.mark.integration
+USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"name": "t", "entrypoint": "python train.py", "resources": {"nodes": 2}}
+    base.update(overrides)
+    return base
+
+
+def bundle_bytes() -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = b"print('hello')\n"
+        info = tarfile.TarInfo("./train.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def submit(client: TestClient, body: dict[str, Any], bundle: bytes | None = None) -> Any:
+    files: dict[str, Any] = {"spec": (None, json.dumps(body), "application/json")}
+    if bundle is not None:
+        files["bundle"] = ("b.tar.gz", bundle, "application/gzip")
+    return client.post("/api/v1/jobs", files=files, headers=USER)
+
+
+def register(client: TestClient, name: str, slots: int = 1) -> int:
+    response = client.post(
+        "/api/v1/agents/register", json={"name": name, "address": "127.0.0.1", "cpu_slots": slots}, headers=AGENT
+    )
+    assert response.status_code == 200, response.text
+    return int(response.json()["id"])
+
+
+def count(settings: Settings, model: type[Any]) -> int:
+    with session_scope(settings.database_url) as session:
+        return int(session.execute(select(func.count()).select_from(model)).scalar_one())
+
+
+def schedule(settings: Settings) -> set[int]:
+    with session_scope(settings.database_url) as session:
+        return schedule_pass(session)
+
+
+def test_every_api_route_needs_a_token(client: TestClient) -> None:
+    for method, path in [("GET", "/api/v1/jobs"), ("GET", "/api/v1/agents"), ("POST", "/api/v1/jobs")]:
+        response = client.request(method, path)
+        assert response.status_code == 401
+        assert "PHALANX_TOKEN" in response.json()["error"]
+    bad = client.get("/api/v1/jobs", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and "not valid" in bad.json()["error"]
+    # user and agent tokens are not interchangeable
+    assert client.get("/api/v1/jobs", headers=AGENT).status_code == 403
+    wrong_kind = client.post(
+        "/api/v1/agents/register", json={"name": "a", "address": "x", "cpu_slots": 1}, headers=USER
+    )
+    assert wrong_kind.status_code == 403 and "agent token" in wrong_kind.json()["error"]
+    # open routes
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/docs").status_code == 200
+    assert "phalanx_jobs" in client.get("/metrics").text
+
+
+def test_admin_mints_tokens_that_work(client: TestClient) -> None:
+    created = client.post("/api/v1/tokens", json={"kind": "user", "name": "alice"}, headers=USER)
+    assert created.status_code == 201
+    alice = {"Authorization": f"Bearer {created.json()['token']}"}
+    assert client.get("/api/v1/jobs", headers=alice).status_code == 200
+    # alice is no admin
+    assert client.post("/api/v1/tokens", json={"kind": "user", "name": "bob"}, headers=alice).status_code == 403
+    agent = client.post("/api/v1/tokens", json={"kind": "agent", "name": "rack-2"}, headers=USER).json()
+    response = client.post(
+        "/api/v1/agents/register",
+        json={"name": "n1", "address": "10.0.0.1", "cpu_slots": 2},
+        headers={"Authorization": f"Bearer {agent['token']}"},
+    )
+    assert response.status_code == 200
+
+
+def test_bad_input_is_rejected_and_changes_nothing(client: TestClient, settings: Settings) -> None:
+    register(client, "a0")
+    register(client, "a1")
+    before = count(settings, Job)
+
+    not_json = client.post("/api/v1/jobs", files={"spec": (None, "{nope", "application/json")}, headers=USER)
+    assert not_json.status_code == 422 and "invalid job spec" in not_json.json()["error"]
+
+    bad_field = submit(client, spec(resources={"nodes": 0}))
+    assert bad_field.status_code == 422
+    assert "resources.nodes" in bad_field.json()["error"]
+
+    never = submit(client, spec(resources={"nodes": 3}))
+    assert never.status_code == 422
+    assert "can never be placed" in never.json()["error"]
+
+    too_wide = submit(client, spec(resources={"nodes": 1, "slots_per_node": 2}))
+    assert too_wide.status_code == 422
+
+    assert client.get("/api/v1/jobs/999", headers=USER).status_code == 404
+    assert client.post("/api/v1/jobs/999/kill", headers=USER).status_code == 404
+    assert client.get("/api/v1/jobs/999/logs", headers=USER).status_code == 404
+    assert count(settings, Job) == before
+
+
+def test_oversized_payloads_get_413(settings: Settings) -> None:
+    small = settings.model_copy(update={"max_bundle_bytes": 1000, "max_metric_batch_bytes": 500})
+    with TestClient(create_app(small)) as client:
+        register(client, "a0")
+        register(client, "a1")
+        big = submit(client, spec(), bundle=b"x" * 5000)
+        assert big.status_code == 413 and "cap" in big.json()["error"]
+        assert count(settings, Job) == 0
+        assert not list(small.bundle_dir.glob("*.part"))
+        response = client.post(
+            "/api/v1/allocations/1/metrics",
+            content=json.dumps({"records": [{"rank": 0, "step": i, "time": 0.0, "values": {"x": 1}} for i in range(50)]}),
+            headers=AGENT,
+        )
+        assert response.status_code == 413
+
+
+def test_job_runs_from_submit_to_completed(client: TestClient, settings: Settings) -> None:
+    a0, a1 = register(client, "a0"), register(client, "a1")
+    created = submit(client, spec(hyperparameters={"lr": 0.1}), bundle=bundle_bytes())
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+    assert created.json()["state"] == "QUEUED"
+
+    assert schedule(settings) == {a0, a1}
+    shown = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
+    assert shown["state"] == "SCHEDULED"
+    (allocation,) = shown["allocations"]
+    ranks = {n["node_rank"]: n["agent_id"] for n in allocation["nodes"]}
+    assert set(ranks) == {0, 1} and set(ranks.values()) == {a0, a1}
+    alloc_id = allocation["id"]
+    head, other = ranks[0], ranks[1]
+
+    # agents see their assignment; the bundle downloads
+    work = client.get(f"/api/v1/agents/{head}/work", headers=AGENT).json()
+    (assignment,) = work["assignments"]
+    assert assignment["node_rank"] == 0 and assignment["master_port"] is None
+    assert assignment["hyperparameters"] == {"lr": 0.1} and assignment["nnodes"] == 2
+    assert client.get(f"/api/v1/jobs/{job_id}/bundle", headers=AGENT).content == bundle_bytes()
+
+    # an unchanged version long-polls until the timeout; a change answers at once
+    started = time.monotonic()
+    same = client.get(f"/api/v1/agents/{other}/work", params={"version": "x", "wait": 0}, headers=AGENT).json()
+    unchanged = client.get(
+        f"/api/v1/agents/{other}/work", params={"version": same["version"], "wait": 0.5}, headers=AGENT
+    ).json()
+    assert unchanged["version"] == same["version"] and time.monotonic() - started >= 0.5
+
+    # only rank 0's agent sets the rendezvous; the other agent may not report for it
+    url = f"/api/v1/agents/{{agent}}/allocations/{alloc_id}"
+    assert client.post(url.format(agent=other) + "/rendezvous", json={"master_port": 1234}, headers=AGENT).status_code == 409
+    assert client.post(url.format(agent=head) + "/rendezvous", json={"master_port": 29600}, headers=AGENT).status_code == 204
+    assignment = client.get(f"/api/v1/agents/{other}/work", headers=AGENT).json()["assignments"][0]
+    assert assignment["master_port"] == 29600
+
+    for agent, rank in ((head, 0), (other, 1)):
+        assert client.post(url.format(agent=agent) + "/started", json={"node_rank": rank}, headers=AGENT).status_code == 204
+    assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "RUNNING"
+
+    # an agent may not report a node that is not its own
+    wrong = client.post(url.format(agent=other) + "/exit", json={"node_rank": 0, "exit_code": 0}, headers=AGENT)
+    assert wrong.status_code == 409 and "belongs to agent" in wrong.json()["error"]
+
+    records = [{"rank": r, "step": s, "time": time.time(), "values": {"loss": 1.0 / (s + 1)}} for r in (0, 1) for s in range(5)]
+    posted = client.post(f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records}, headers=AGENT)
+    assert posted.status_code == 204
+    lines = {"lines": [{"rank": 1, "stream": "stdout", "time": time.time(), "line": "hello from 1"}]}
+    assert client.post(url.format(agent=other) + "/logs", json=lines, headers=AGENT).status_code == 204
+
+    listed = client.get("/api/v1/jobs", headers=USER).json()
+    assert listed[0]["latest_metrics"] == {"loss": pytest.approx(0.2)} and listed[0]["latest_step"] == 4
+    assert len(client.get(f"/api/v1/jobs/{job_id}/metrics", headers=USER).json()) == 10
+    logs = client.get(f"/api/v1/jobs/{job_id}/logs", params={"rank": 1}, headers=USER).json()
+    assert [line["line"] for line in logs] == ["hello from 1"]
+
+    for agent, rank in ((head, 0), (other, 1)):
+        response = client.post(url.format(agent=agent) + "/exit", json={"node_rank": rank, "exit_code": 0}, headers=AGENT)
+        assert response.status_code == 204
+    final = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
+    assert final["state"] == "COMPLETED"
+    assert [e["to_state"] for e in final["events"]] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    assert client.get("/api/v1/agents", headers=USER).json()[0]["used_cpu_slots"] == 0
+
+    # a finished allocation is fenced: late metrics are refused and nothing is stored
+    late = client.post(f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records[:1]}, headers=AGENT)
+    assert late.status_code == 409
+    assert count(settings, Metric) == 10
+    assert client.post(f"/api/v1/jobs/{job_id}/kill", headers=USER).status_code == 409
+
+
+def test_failed_rank_fails_the_job_and_stops_the_gang(client: TestClient, settings: Settings) -> None:
+    a0, a1 = register(client, "a0"), register(client, "a1")
+    job_id = submit(client, spec()).json()["id"]
+    schedule(settings)
+    allocation = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"][0]
+    node1_agent = next(n["agent_id"] for n in allocation["nodes"] if n["node_rank"] == 1)
+    node0_agent = a0 if node1_agent == a1 else a1
+    response = client.post(
+        f"/api/v1/agents/{node1_agent}/allocations/{allocation['id']}/exit",
+        json={"node_rank": 1, "exit_code": 3, "reason": "Traceback: boom"},
+        headers=AGENT,
+    )
+    assert response.status_code == 204
+    job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
+    assert job["state"] == "FAILED"
+    assert "exited with code 3" in job["failure_reason"] and "boom" in job["failure_reason"]
+    (survivor,) = client.get(f"/api/v1/agents/{node0_agent}/work", headers=AGENT).json()["assignments"]
+    assert survivor["desired"] == "stop"
+
+
+def test_kill_stops_every_node(client: TestClient, settings: Settings) -> None:
+    register(client, "a0")
+    register(client, "a1")
+    job_id = submit(client, spec()).json()["id"]
+    schedule(settings)
+    killed = client.post(f"/api/v1/jobs/{job_id}/kill", headers=USER)
+    assert killed.status_code == 200 and killed.json()["state"] == "CANCELLED"
+    for agent in client.get("/api/v1/agents", headers=USER).json():
+        work = client.get(f"/api/v1/agents/{agent['id']}/work", headers=AGENT).json()
+        assert [a["desired"] for a in work["assignments"]] == ["stop"]
+
+
+def test_waiting_job_says_why(client: TestClient, settings: Settings) -> None:
+    register(client, "a0")
+    register(client, "a1")
+    first = submit(client, spec(name="first")).json()["id"]
+    second = submit(client, spec(name="second")).json()["id"]
+    schedule(settings)
+    assert client.get(f"/api/v1/jobs/{first}", headers=USER).json()["state"] == "SCHEDULED"
+    waiting = client.get(f"/api/v1/jobs/{second}", headers=USER).json()
+    assert waiting["state"] == "QUEUED"
+    assert "2 nodes" in waiting["wait_reason"]
+
+
+def test_reaper_declares_silent_agents_lost_by_the_database_clock(client: TestClient, settings: Settings) -> None:
+    a0 = register(client, "a0")
+    register(client, "a1")
+    job_id = submit(client, spec()).json()["id"]
+    schedule(settings)
+    with session_scope(settings.database_url) as session:
+        assert reap_pass(session, settings.heartbeat_timeout) == set()
+        session.execute(
+            update(Agent).where(Agent.id == a0).values(last_heartbeat=func.now() - text("interval '1 hour'"))
+        )
+    with session_scope(settings.database_url) as session:
+        woken = reap_pass(session, settings.heartbeat_timeout)
+    assert a0 not in woken and len(woken) == 1
+    agents = {a["id"]: a["state"] for a in client.get("/api/v1/agents", headers=USER).json()}
+    assert agents[a0] == "LOST"
+    job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
+    assert job["state"] == "FAILED" and "lost" in job["failure_reason"]
+    # a lost agent that heartbeats is told to register again
+    beat = client.post(f"/api/v1/agents/{a0}/heartbeat", headers=AGENT)
+    assert beat.status_code == 409 and "register again" in beat.json()["error"]
+    register(client, "a0")
+    assert {a["state"] for a in client.get("/api/v1/agents", headers=USER).json()} == {"ACTIVE"}
+
+
+def test_server_refuses_an_unmigrated_database(tmp_path: Any) -> None:
+    name = f"phalanx_empty_{int(time.time() * 1000) % 10**9}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    try:
+        with pytest.raises(SchemaOutOfDate, match="phalanx db upgrade"):
+            create_app(Settings(data_dir=tmp_path, database_url=url, broker_url="filesystem://"))
+    finally:
+        engine_for(url).dispose()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+

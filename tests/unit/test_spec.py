@@ -1,0 +1,83 @@
+"""Job files: what validates, and what each mistake is called."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from phalanx.client import SpecError, load_job_file, pack_workdir
+from phalanx.schemas import JobSpec, Precision, SlotType
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "job.yaml"
+
+
+def test_example_job_file_validates() -> None:
+    spec, workdir = load_job_file(EXAMPLE)
+    assert spec.resources.nodes == 2 and spec.resources.slots_per_node == 1
+    assert spec.resources.slot_type is SlotType.CPU
+    assert workdir == EXAMPLE.parent
+    assert (workdir / "train.py").exists()
+
+
+def test_defaults() -> None:
+    spec = JobSpec(name="tiny", entrypoint="python x.py")
+    assert spec.resources.world_size == 1
+    assert spec.precision is Precision.FP32
+    assert spec.priority == 50 and spec.max_restarts == 0
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"name": "bad name!"}, "name"),
+        ({"entrypoint": "   "}, "entrypoint"),
+        ({"resources": {"nodes": 0}}, "resources.nodes"),
+        ({"resources": {"slot_type": "tpu"}}, "resources.slot_type"),
+        ({"precision": "fp8"}, "precision"),
+        ({"priority": 101}, "priority"),
+        ({"env": {"PHALANX_URL": "x"}}, "env"),
+        ({"env": {"1BAD": "x"}}, "env"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_invalid_specs_name_the_field(patch: dict[str, object], field: str) -> None:
+    raw: dict[str, object] = {"name": "ok", "entrypoint": "python x.py", **patch}
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(raw)
+    locations = {".".join(map(str, e["loc"])) for e in info.value.errors()}
+    assert field in locations
+
+
+def test_job_file_errors(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_job_file(bad_yaml)
+    not_mapping = tmp_path / "list.yaml"
+    not_mapping.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        load_job_file(not_mapping)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump({"name": "x", "entrypoint": "python a.py", "resources": {"nodes": -1}}))
+    with pytest.raises(SpecError, match=r"resources\.nodes"):
+        load_job_file(wrong)
+    with pytest.raises(SpecError, match="cannot read"):
+        load_job_file(tmp_path / "missing.yaml")
+
+
+def test_bundle_excludes_caches_and_is_capped(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "x.pyc").write_bytes(b"0" * 10)
+    import io
+    import tarfile
+
+    data = pack_workdir(tmp_path)
+    names = tarfile.open(fileobj=io.BytesIO(data)).getnames()
+    assert "./train.py" in names and not any("__pycache__" in n for n in names)
+    (tmp_path / "big.bin").write_bytes(__import__("os").urandom(200_000))
+    with pytest.raises(SpecError, match="over the"):
+        pack_workdir(tmp_path, max_bytes=100_000)
