@@ -1,0 +1,116 @@
+"""The whole stack as separate processes on PostgreSQL + Redis, with real 2-node DDP over gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.client import load_job_file
+from phalanx.schemas import JobState
+from tests.processes import PHALANX, REPO, Stack, processes_of_allocation, wait_for
+
+pytestmark = pytest.mark.e2e
+DIGITS = REPO / "examples" / "digits" / "job.yaml"
+SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
+
+
+@pytest.fixture
+def stack(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
+    running = Stack(tmp_path, clean_db, clean_redis)
+    try:
+        running.start_server()
+        running.start_scheduler()
+        running.start_agent("node-a")
+        running.start_agent("node-b")
+        running.wait_agents(2)
+        yield running
+    finally:
+        running.close()
+
+
+def test_example_trains_as_a_two_node_ddp_job(stack: Stack) -> None:
+    with stack.client() as client:
+        job = client.submit_file(DIGITS)
+        final = client.wait(job.id, timeout=240)
+        assert final.state is JobState.COMPLETED, (final.failure_reason, stack.log("node-a")[-2000:])
+        (allocation,) = final.allocations
+        assert {n.agent_name for n in allocation.nodes} == {"node-a", "node-b"}
+        assert all(n.exit_code == 0 for n in allocation.nodes)
+
+        points = client.metrics(job.id, name="loss")
+        assert {p.rank for p in points} == {0, 1}
+        steps = sorted(p.step for p in points if p.rank == 0)
+        assert steps == sorted(set(steps)) and len(steps) > 10
+        assert "accuracy" in final.latest_metrics
+
+        rank0 = [line.line for line in client.logs(job.id, rank=0, limit=10_000)]
+        rank1 = [line.line for line in client.logs(job.id, rank=1, limit=10_000)]
+        assert any(line.startswith("final-checksum:") for line in rank0)
+        assert rank1 and not any(line.startswith("final-checksum:") for line in rank1)
+    assert processes_of_allocation(allocation.id) == []
+
+
+def test_kill_mid_run_cancels_and_leaves_no_process(stack: Stack) -> None:
+    spec, workdir = load_job_file(SCRIPTED)
+    spec = spec.model_copy(update={"hyperparameters": {"steps": 100_000, "step_seconds": 0.05}})
+    with stack.client() as client:
+        job = client.submit(spec, workdir)
+        wait_for(lambda: client.get_job(job.id).latest_step, 120, "the scripted job to report a step")
+        allocation_id = client.get_job(job.id).allocations[0].id
+        assert len(processes_of_allocation(allocation_id)) >= 2  # torchrun and its rank on each node
+
+        assert client.kill_job(job.id).state is JobState.CANCELLED
+        wait_for(
+            lambda: all(n.state.value == "EXITED" for n in client.get_job(job.id).allocations[0].nodes),
+            30,
+            "every node to report its exit",
+        )
+        assert processes_of_allocation(allocation_id) == []
+        final = client.get_job(job.id)
+        assert final.state is JobState.CANCELLED
+        assert [e.to_state.value for e in final.events][-1] == "CANCELLED"
+        assert all(a.used_cpu_slots == 0 for a in client.agents())
+
+
+def test_crashing_rank_fails_the_job_with_its_stderr(stack: Stack) -> None:
+    spec, workdir = load_job_file(SCRIPTED)
+    hparams = {"steps": 50, "step_seconds": 0.05, "crash_rank": 1, "crash_step": 3, "exit_code": 7}
+    with stack.client() as client:
+        job = client.submit(spec.model_copy(update={"hyperparameters": hparams}), workdir)
+        final = client.wait(job.id, timeout=120)
+    assert final.state is JobState.FAILED
+    assert final.failure_reason and "exited with code" in final.failure_reason
+    assert processes_of_allocation(final.allocations[0].id) == []
+
+
+def test_cli_against_the_stack(stack: Stack) -> None:
+    env = {**stack.env, "PHALANX_URL": stack.url, "PHALANX_TOKEN": stack.env["PHALANX_ADMIN_TOKEN"]}
+
+    def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([*PHALANX, *args], env=env, capture_output=True, text=True, timeout=240)
+        if ok:
+            assert done.returncode == 0, done.stderr
+        return done
+
+    submitted = json.loads(cli("submit", str(SCRIPTED), "--json").stdout)
+    job_id = submitted["id"]
+    waited = json.loads(cli("submit", str(SCRIPTED), "--wait", "--json").stdout)
+    assert waited["state"] == "COMPLETED"
+    shown = json.loads(cli("jobs", "show", str(job_id), "--json").stdout)
+    assert shown["id"] == job_id and "latest_metrics" in shown and "state" in shown
+    listed = json.loads(cli("jobs", "list", "--json").stdout)
+    assert {j["id"] for j in listed} >= {job_id, waited["id"]}
+    agents = json.loads(cli("agents", "list", "--json").stdout)
+    assert {a["name"] for a in agents} == {"node-a", "node-b"}
+    logs = cli("jobs", "logs", str(waited["id"]), "--rank", "1").stdout
+    assert logs and all(line.startswith("[rank 1]") for line in logs.splitlines())
+    missing = cli("jobs", "show", "4242", ok=False)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    unreachable = subprocess.run(
+        [*PHALANX, "jobs", "list"], env={**env, "PHALANX_URL": "http://127.0.0.1:9"}, capture_output=True, text=True
+    )
+    assert unreachable.returncode == 1 and "phalanx up" in unreachable.stderr

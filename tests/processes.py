@@ -1,0 +1,140 @@
+"""Run Phalanx components as real, separate processes for integration and end-to-end tests.
+
+Each component runs the same CLI command a deployment (and docker-compose.yml) runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from phalanx.client import Client
+from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+
+PHALANX = [sys.executable, "-m", "phalanx.cli.main"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll `predicate` until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Stack:
+    """Server, scheduler(s) and agents as child processes sharing one database and broker."""
+
+    def __init__(self, tmp: Path, database_url: str, broker_url: str, **env: str) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.logs = tmp / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {
+            **os.environ,
+            "PHALANX_DATA_DIR": str(tmp / "data"),
+            "PHALANX_DATABASE_URL": database_url,
+            "PHALANX_BROKER_URL": broker_url,
+            "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
+            "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
+            "PHALANX_HEARTBEAT_INTERVAL": "0.5",
+            "PHALANX_HEARTBEAT_TIMEOUT": "5",
+            "PHALANX_SCHEDULE_INTERVAL": "1",
+            **env,
+        }
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen([*PHALANX, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_server(self) -> None:
+        self.spawn("server", "server", "--port", str(self.port))
+        probe = Client(self.url, "")
+        try:
+            wait_for(lambda: probe.healthy() or self._died("server"), 60, "the server to answer /healthz")
+        finally:
+            probe.close()
+
+    def start_scheduler(self, name: str = "scheduler") -> None:
+        self.spawn(name, "scheduler")
+
+    def start_agent(self, name: str, cpu_slots: int = 1, kill_grace: float = 5.0) -> None:
+        self.spawn(
+            name, "agent", "--server", self.url, "--name", name, "--address", "127.0.0.1",
+            "--cpu-slots", str(cpu_slots), "--kill-grace", str(kill_grace),
+            "--work-dir", str(self.tmp / "agents" / name),
+        )
+
+    def wait_agents(self, count: int) -> None:
+        with self.client() as client:
+            wait_for(
+                lambda: sum(a.state.value == "ACTIVE" for a in client.agents()) >= count,
+                60,
+                f"{count} agents to register",
+            )
+
+    def _died(self, name: str) -> bool:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
+        return False
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def client(self) -> Client:
+        return Client(self.url, ADMIN_TOKEN)
+
+    def stop(self, name: str, sig: int = 15) -> None:
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        # agents first: they stop their workers and report while the server still listens
+        for name in sorted(self.procs, key=lambda n: n in ("server", "scheduler")):
+            self.stop(name)
+
+
+def processes_of_allocation(allocation_id: int) -> list[int]:
+    """PIDs whose environment says they work for this allocation (ranks and their torchrun)."""
+    marker = f"PHALANX_ALLOCATION_ID={allocation_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
