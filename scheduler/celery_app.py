@@ -19,13 +19,15 @@ REAP_TASK = "phalanx.reap"
 def broker_options(settings: Settings) -> dict[str, Any]:
     if not settings.broker_url.startswith("filesystem://"):
         return {}
-    folders = {name: settings.broker_dir / name for name in ("queue", "processed")}
+    # The control folder defaults to the current directory; keep every broker file under data_dir.
+    folders = {name: settings.broker_dir / name for name in ("queue", "processed", "control")}
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
     return {
         "data_folder_in": str(folders["queue"]),
         "data_folder_out": str(folders["queue"]),
         "processed_folder": str(folders["processed"]),
+        "control_folder": str(folders["control"]),
         "store_processed": False,
         # The transport sleeps this long between empty polls: it bounds how soon a submit is placed.
         "polling_interval": 0.05,

@@ -93,6 +93,10 @@ def rank_env(a: Assignment, base: dict[str, str], server_url: str, token: str, a
     )
     if a.slot_type.value == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in a.slot_indices)
+    elif "OMP_NUM_THREADS" not in a.env:
+        # A CPU slot is one core: ranks of neighbouring slots must not fight over every core.
+        # (torchrun itself only sets this when it starts more than one rank.)
+        env["OMP_NUM_THREADS"] = "1"
     iface = interface_for(address)
     if iface and not address.startswith("127."):
         env["GLOO_SOCKET_IFNAME"] = iface

@@ -16,9 +16,7 @@ import phalanx.train as pt
 
 def load_data() -> tuple[TensorDataset, TensorDataset]:
     digits = load_digits()
-    x_train, x_val, y_train, y_val = train_test_split(
-        digits.data / 16.0, digits.target, test_size=0.2, random_state=0
-    )
+    x_train, x_val, y_train, y_val = train_test_split(digits.data / 16.0, digits.target, test_size=0.2, random_state=0)
 
     def as_dataset(x, y) -> TensorDataset:
         return TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64))
@@ -27,9 +25,7 @@ def load_data() -> tuple[TensorDataset, TensorDataset]:
 
 
 def build_model(hidden: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-    )
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
 def checksum(model: nn.Module) -> str:

@@ -170,6 +170,7 @@ def agent(
     from worker_agent.agent import AgentConfig, AgentDaemon
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the agent's own
     agent_name = name or socket.gethostname()
     data_dir = Path(os.environ.get("PHALANX_DATA_DIR", Path.home() / ".phalanx"))
     config = AgentConfig(

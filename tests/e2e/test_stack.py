@@ -82,8 +82,14 @@ def test_crashing_rank_fails_the_job_with_its_stderr(stack: Stack) -> None:
     with stack.client() as client:
         job = client.submit(spec.model_copy(update={"hyperparameters": hparams}), workdir)
         final = client.wait(job.id, timeout=120)
+        # the survivor on the other node is stopped (SIGTERM, then SIGKILL) and reports its exit
+        wait_for(
+            lambda: all(n.state.value == "EXITED" for n in client.get_job(job.id).allocations[0].nodes),
+            30,
+            "the surviving node to be stopped",
+        )
     assert final.state is JobState.FAILED
-    assert final.failure_reason and "exited with code" in final.failure_reason
+    assert final.failure_reason and "node 1" in final.failure_reason and "exited with code" in final.failure_reason
     assert processes_of_allocation(final.allocations[0].id) == []
 
 

@@ -28,6 +28,7 @@ from phalanx.train._env import read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, SendOutcome
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 CONTRACT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -106,6 +107,13 @@ def managed_env(monkeypatch: pytest.MonkeyPatch, url: str, allocation_id: int = 
     monkeypatch.setenv("PHALANX_ATTEMPT", "2")
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This interpreter's environment minus the contract, plus `extra`; one thread per rank on 2 cores."""
+    env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS and not k.startswith("PHALANX_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
 def closed_port_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -146,7 +154,7 @@ def test_single_process_context_outside_phalanx(monkeypatch: pytest.MonkeyPatch)
     assert (stats.dropped_nonfinite, stats.dropped_invalid, stats.sent) == (1, 1, 0)
 
     ctx.finish()
-    with pytest.raises(RuntimeError, match="after ctx.finish"):
+    with pytest.raises(RuntimeError, match=r"after ctx\.finish"):
         ctx.report({"loss": 1.0})
     assert pt.init() is not ctx  # a finished context is not handed out again
 
@@ -191,7 +199,7 @@ def test_environment_contract_is_read() -> None:
 
 
 def test_precisions_match_the_job_schema() -> None:
-    assert pt.PRECISIONS == tuple(p.value for p in Precision)
+    assert tuple(p.value for p in Precision) == pt.PRECISIONS
 
 
 @pytest.mark.parametrize(
@@ -255,7 +263,7 @@ def test_importing_the_api_loads_neither_server_nor_http_stack() -> None:
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -289,9 +297,7 @@ def test_report_never_blocks_when_the_server_is_down(monkeypatch: pytest.MonkeyP
     assert ctx.metric_stats().lost_at_close == 20_000
 
 
-def test_sender_delivers_batches_to_the_server(
-    monkeypatch: pytest.MonkeyPatch, metrics_server: MetricsServer
-) -> None:
+def test_sender_delivers_batches_to_the_server(monkeypatch: pytest.MonkeyPatch, metrics_server: MetricsServer) -> None:
     managed_env(monkeypatch, metrics_server.url)
     ctx = pt.init()
     for step in range(12_000):
@@ -442,20 +448,14 @@ def test_two_rank_gloo_run_through_torchrun(
 ) -> None:
     script = tmp_path / "two_ranks.py"
     script.write_text(textwrap.dedent(TWO_RANK_SCRIPT))
-    env = {
-        k: v for k, v in os.environ.items() if k not in CONTRACT_VARS and not k.startswith("PHALANX_")
-    }
-    env.update(
-        PYTHONPATH=str(REPO_ROOT),
-        OMP_NUM_THREADS="1",
+    env = subprocess_env(
         PHALANX_URL=metrics_server.url,
         PHALANX_TOKEN="secret-token",
         PHALANX_ALLOCATION_ID="9",
         PHALANX_PG_TIMEOUT="45",
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [str(script), str(tmp_path)],
+        [*TORCHRUN, str(script), str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -481,3 +481,53 @@ def test_two_rank_gloo_run_through_torchrun(
     records = metrics_server.delivered()
     assert sorted((r["rank"], r["step"]) for r in records) == [(rank, s) for rank in (0, 1) for s in range(4)]
     assert {req["path"] for req in metrics_server.requests} == {"/api/v1/allocations/9/metrics"}
+
+
+# --- the examples --------------------------------------------------------------------------
+
+
+def test_digits_port_reproduces_the_plain_script_in_one_process() -> None:
+    digits = REPO_ROOT / "examples" / "digits"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, name, "--epochs", "1"],
+            cwd=digits,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("train_plain.py", "train.py")
+    ]
+    (plain_out, plain_err), (port_out, port_err) = (run.communicate(timeout=120) for run in runs)
+    assert [run.returncode for run in runs] == [0, 0], plain_err[-2000:] + port_err[-2000:]
+    assert "UserWarning" not in port_err
+
+    def checksum(out: str) -> str:
+        return next(line.split(": ")[1] for line in out.splitlines() if line.startswith("final-checksum: "))
+
+    assert checksum(plain_out) == checksum(port_out)  # porting changed nothing numerically
+    lines = dict(line.split(" ", 1) for line in port_out.splitlines() if line.startswith("phalanx-"))
+    assert abs(float(lines["phalanx-first-step"]) - time.time()) < 120
+    assert float(lines["phalanx-steps-per-second"]) > 0
+
+
+def test_scripted_workload_runs_in_lock_step_and_reports(metrics_server: MetricsServer) -> None:
+    hparams = {"steps": 3, "step_seconds": 0.01, "exit_code": 0, "report": True}
+    proc = subprocess.run(
+        [*TORCHRUN, "workload.py"],
+        cwd=REPO_ROOT / "examples" / "scripted",
+        env=subprocess_env(
+            PHALANX_URL=metrics_server.url, PHALANX_ALLOCATION_ID="4", PHALANX_HPARAMS=json.dumps(hparams)
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert [f"step {s} rank {rank}" in proc.stdout for s in range(3)] == [True] * 3
+    records = metrics_server.delivered()
+    assert sorted((r["rank"], r["step"], r["values"]["step_value"]) for r in records) == [
+        (rank, s, float(s)) for rank in (0, 1) for s in range(3)
+    ]
