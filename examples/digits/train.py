@@ -60,6 +60,7 @@ def main() -> None:
     lr = float(ctx.hparams.get("lr", args.lr))
     hidden = int(ctx.hparams.get("hidden", args.hidden))
     batch_size = int(ctx.hparams.get("batch_size", args.batch_size))
+    print(f"rank {ctx.rank} of {ctx.world_size} on {ctx.device}: lr={lr} hidden={hidden}", flush=True)
 
     # A model this small runs fastest on one thread, and float sums then come out the same on
     # every machine (the result would otherwise depend on the core count).
