@@ -126,7 +126,12 @@ class Stack:
 
 def processes_of_allocation(allocation_id: int) -> list[int]:
     """PIDs whose environment says they work for this allocation (ranks and their torchrun)."""
-    marker = f"PHALANX_ALLOCATION_ID={allocation_id}".encode()
+    return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation_id))
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs of live processes whose environment has name=value (zombies have no environment)."""
+    marker = f"{name}={value}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
