@@ -20,7 +20,7 @@ def _wake(agent_ids: set[int]) -> None:
     _publisher.publish(agent_channel(a) for a in agent_ids)
 
 
-@shared_task(name="phalanx.schedule")
+@shared_task(name="phalanx.schedule")  # type: ignore[untyped-decorator]
 def schedule() -> int:
     with session_scope(get_settings().database_url) as session:
         woken = service.schedule_pass(session)
@@ -28,7 +28,7 @@ def schedule() -> int:
     return len(woken)
 
 
-@shared_task(name="phalanx.reap")
+@shared_task(name="phalanx.reap")  # type: ignore[untyped-decorator]
 def reap() -> int:
     settings = get_settings()
     with session_scope(settings.database_url) as session:

@@ -83,9 +83,20 @@ class Stack:
 
     def start_agent(self, name: str, cpu_slots: int = 1, kill_grace: float = 5.0) -> None:
         self.spawn(
-            name, "agent", "--server", self.url, "--name", name, "--address", "127.0.0.1",
-            "--cpu-slots", str(cpu_slots), "--kill-grace", str(kill_grace),
-            "--work-dir", str(self.tmp / "agents" / name),
+            name,
+            "agent",
+            "--server",
+            self.url,
+            "--name",
+            name,
+            "--address",
+            "127.0.0.1",
+            "--cpu-slots",
+            str(cpu_slots),
+            "--kill-grace",
+            str(kill_grace),
+            "--work-dir",
+            str(self.tmp / "agents" / name),
         )
 
     def wait_agents(self, count: int) -> None:

@@ -138,11 +138,11 @@ class NodeRunner(threading.Thread):
         exit_code, reason = 1, ""
         try:
             workdir = self._prepare()
-            a = self._await_rendezvous()
-            if a is None:
+            ready = self._await_rendezvous()
+            if ready is None:
                 exit_code, reason = -15, "stopped before launch"
             else:
-                exit_code, reason = self._launch_and_wait(a, workdir)
+                exit_code, reason = self._launch_and_wait(ready, workdir)
         except Exception as exc:  # anything here fails the node, never the agent
             log.exception("node %d of allocation %d failed to run", a.node_rank, a.allocation_id)
             exit_code, reason = 1, f"agent could not run the node: {exc}"
@@ -197,7 +197,8 @@ class NodeRunner(threading.Thread):
             if stream == "stderr":
                 tail.append(text)
                 del tail[:-20]
-            self.agent.shipper.add(a.allocation_id, LogLine(rank=rank, stream=stream, time=time.time(), line=text))  # type: ignore[arg-type]
+            line = LogLine(rank=rank, stream="stderr" if stream == "stderr" else "stdout", time=time.time(), line=text)
+            self.agent.shipper.add(a.allocation_id, line)
 
         with self._changed:
             if self._stop_requested:

@@ -40,7 +40,7 @@ def interface_for(address: str) -> str | None:
     """The network interface that owns `address`; gloo must bind there, not to loopback."""
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == address for a in addrs):
-            return name
+            return str(name)
     return None
 
 
@@ -178,13 +178,13 @@ class NodeProcess:
 
 def _alive(proc: psutil.Process) -> bool:
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
 
 def _children(proc: psutil.Process) -> list[psutil.Process]:
     try:
-        return proc.children(recursive=True)
+        return list(proc.children(recursive=True))
     except psutil.NoSuchProcess:
         return []

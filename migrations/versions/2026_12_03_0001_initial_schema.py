@@ -88,9 +88,7 @@ def upgrade() -> None:
         sa.Column("active", sa.Boolean(), nullable=False),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.Column("ended_at", sa.DateTime(), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["job_id"], ["jobs.id"], name=op.f("fk_allocations_job_id_jobs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_allocations_job_id_jobs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_allocations")),
         sa.UniqueConstraint("job_id", "attempt", name=op.f("uq_allocations_job_id_attempt")),
     )
@@ -104,9 +102,7 @@ def upgrade() -> None:
         sa.Column("from_state", sa.String(length=16), nullable=True),
         sa.Column("to_state", sa.String(length=16), nullable=False),
         sa.Column("reason", sa.Text(), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["job_id"], ["jobs.id"], name=op.f("fk_job_events_job_id_jobs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_job_events_job_id_jobs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_job_events")),
     )
     op.create_index(op.f("ix_job_events_job_id"), "job_events", ["job_id"], unique=False)
@@ -124,9 +120,7 @@ def upgrade() -> None:
         sa.Column("reason", sa.Text(), nullable=True),
         sa.Column("started_at", sa.DateTime(), nullable=True),
         sa.Column("ended_at", sa.DateTime(), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["agent_id"], ["agents.id"], name=op.f("fk_allocation_nodes_agent_id_agents")
-        ),
+        sa.ForeignKeyConstraint(["agent_id"], ["agents.id"], name=op.f("fk_allocation_nodes_agent_id_agents")),
         sa.ForeignKeyConstraint(
             ["allocation_id"],
             ["allocations.id"],
@@ -134,14 +128,10 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_allocation_nodes")),
-        sa.UniqueConstraint(
-            "allocation_id", "node_rank", name=op.f("uq_allocation_nodes_allocation_id_node_rank")
-        ),
+        sa.UniqueConstraint("allocation_id", "node_rank", name=op.f("uq_allocation_nodes_allocation_id_node_rank")),
     )
     op.create_index(op.f("ix_allocation_nodes_agent_id"), "allocation_nodes", ["agent_id"], unique=False)
-    op.create_index(
-        op.f("ix_allocation_nodes_allocation_id"), "allocation_nodes", ["allocation_id"], unique=False
-    )
+    op.create_index(op.f("ix_allocation_nodes_allocation_id"), "allocation_nodes", ["allocation_id"], unique=False)
     op.create_table(
         "log_lines",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
@@ -157,9 +147,7 @@ def upgrade() -> None:
             name=op.f("fk_log_lines_allocation_id_allocations"),
             ondelete="CASCADE",
         ),
-        sa.ForeignKeyConstraint(
-            ["job_id"], ["jobs.id"], name=op.f("fk_log_lines_job_id_jobs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_log_lines_job_id_jobs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_log_lines")),
     )
     op.create_index("ix_log_lines_job_id_id", "log_lines", ["job_id", "id"], unique=False)
@@ -179,9 +167,7 @@ def upgrade() -> None:
             name=op.f("fk_metrics_allocation_id_allocations"),
             ondelete="CASCADE",
         ),
-        sa.ForeignKeyConstraint(
-            ["job_id"], ["jobs.id"], name=op.f("fk_metrics_job_id_jobs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_metrics_job_id_jobs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_metrics")),
     )
     op.create_index("ix_metrics_job_name_step", "metrics", ["job_id", "name", "step"], unique=False)

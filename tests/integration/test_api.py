@@ -144,7 +144,9 @@ def test_oversized_payloads_get_413(settings: Settings) -> None:
         assert not list(small.bundle_dir.glob("*.part"))
         response = client.post(
             "/api/v1/allocations/1/metrics",
-            content=json.dumps({"records": [{"rank": 0, "step": i, "time": 0.0, "values": {"x": 1}} for i in range(50)]}),
+            content=json.dumps(
+                {"records": [{"rank": 0, "step": i, "time": 0.0, "values": {"x": 1}} for i in range(50)]}
+            ),
             headers=AGENT,
         )
         assert response.status_code == 413
@@ -183,20 +185,31 @@ def test_job_runs_from_submit_to_completed(client: TestClient, settings: Setting
 
     # only rank 0's agent sets the rendezvous; the other agent may not report for it
     url = f"/api/v1/agents/{{agent}}/allocations/{alloc_id}"
-    assert client.post(url.format(agent=other) + "/rendezvous", json={"master_port": 1234}, headers=AGENT).status_code == 409
-    assert client.post(url.format(agent=head) + "/rendezvous", json={"master_port": 29600}, headers=AGENT).status_code == 204
+    assert (
+        client.post(url.format(agent=other) + "/rendezvous", json={"master_port": 1234}, headers=AGENT).status_code
+        == 409
+    )
+    assert (
+        client.post(url.format(agent=head) + "/rendezvous", json={"master_port": 29600}, headers=AGENT).status_code
+        == 204
+    )
     assignment = client.get(f"/api/v1/agents/{other}/work", headers=AGENT).json()["assignments"][0]
     assert assignment["master_port"] == 29600
 
     for agent, rank in ((head, 0), (other, 1)):
-        assert client.post(url.format(agent=agent) + "/started", json={"node_rank": rank}, headers=AGENT).status_code == 204
+        assert (
+            client.post(url.format(agent=agent) + "/started", json={"node_rank": rank}, headers=AGENT).status_code
+            == 204
+        )
     assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "RUNNING"
 
     # an agent may not report a node that is not its own
     wrong = client.post(url.format(agent=other) + "/exit", json={"node_rank": 0, "exit_code": 0}, headers=AGENT)
     assert wrong.status_code == 409 and "belongs to agent" in wrong.json()["error"]
 
-    records = [{"rank": r, "step": s, "time": time.time(), "values": {"loss": 1.0 / (s + 1)}} for r in (0, 1) for s in range(5)]
+    records = [
+        {"rank": r, "step": s, "time": time.time(), "values": {"loss": 1.0 / (s + 1)}} for r in (0, 1) for s in range(5)
+    ]
     posted = client.post(f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records}, headers=AGENT)
     assert posted.status_code == 204
     lines = {"lines": [{"rank": 1, "stream": "stdout", "time": time.time(), "line": "hello from 1"}]}
@@ -209,7 +222,9 @@ def test_job_runs_from_submit_to_completed(client: TestClient, settings: Setting
     assert [line["line"] for line in logs] == ["hello from 1"]
 
     for agent, rank in ((head, 0), (other, 1)):
-        response = client.post(url.format(agent=agent) + "/exit", json={"node_rank": rank, "exit_code": 0}, headers=AGENT)
+        response = client.post(
+            url.format(agent=agent) + "/exit", json={"node_rank": rank, "exit_code": 0}, headers=AGENT
+        )
         assert response.status_code == 204
     final = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
     assert final["state"] == "COMPLETED"
@@ -303,4 +318,3 @@ def test_server_refuses_an_unmigrated_database(tmp_path: Any) -> None:
         engine_for(url).dispose()
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-

@@ -46,7 +46,11 @@ def test_two_schedulers_never_double_book(settings: Settings, two_schedulers: St
         job_ids = []
         for i in range(40):
             nodes, slots = shapes[i % len(shapes)]
-            spec = {"name": f"j{i}", "entrypoint": "python x.py", "resources": {"nodes": nodes, "slots_per_node": slots}}
+            spec = {
+                "name": f"j{i}",
+                "entrypoint": "python x.py",
+                "resources": {"nodes": nodes, "slots_per_node": slots},
+            }
             response = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER)
             assert response.status_code == 201, response.text
             job_ids.append(response.json()["id"])
@@ -56,8 +60,10 @@ def test_two_schedulers_never_double_book(settings: Settings, two_schedulers: St
                 used = len(session.scalars(select(SlotLease)).all())
                 queued = session.scalars(select(Job).where(Job.state == "QUEUED")).all()
                 # settled: the cluster is full, or nothing is left to place
-                return not queued or used == AGENTS * SLOTS or all(
-                    j.wait_reason and "waiting for the scheduler" not in j.wait_reason for j in queued
+                return (
+                    not queued
+                    or used == AGENTS * SLOTS
+                    or all(j.wait_reason and "waiting for the scheduler" not in j.wait_reason for j in queued)
                 )
 
         wait_for(settled, 60, "the schedulers to place what fits")
@@ -96,7 +102,9 @@ def test_a_pass_waits_for_the_pass_in_progress(settings: Settings) -> None:
             assert client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
         for i in range(3):
             spec = {"name": f"j{i}", "entrypoint": "python x.py", "resources": {"nodes": 1}}
-            assert client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER).status_code == 201
+            assert (
+                client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER).status_code == 201
+            )
 
     a_placed, release, b_done = threading.Event(), threading.Event(), threading.Event()
     results: dict[str, object] = {}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -72,12 +75,9 @@ def test_bundle_excludes_caches_and_is_capped(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("print('hi')\n")
     (tmp_path / "__pycache__").mkdir()
     (tmp_path / "__pycache__" / "x.pyc").write_bytes(b"0" * 10)
-    import io
-    import tarfile
-
-    data = pack_workdir(tmp_path)
-    names = tarfile.open(fileobj=io.BytesIO(data)).getnames()
+    with tarfile.open(fileobj=io.BytesIO(pack_workdir(tmp_path))) as tar:
+        names = tar.getnames()
     assert "./train.py" in names and not any("__pycache__" in n for n in names)
-    (tmp_path / "big.bin").write_bytes(__import__("os").urandom(200_000))
+    (tmp_path / "big.bin").write_bytes(os.urandom(200_000))
     with pytest.raises(SpecError, match="over the"):
         pack_workdir(tmp_path, max_bytes=100_000)

@@ -58,8 +58,15 @@ def test_every_pair(session_maker, current: JobState, target: JobState) -> None:
         session.add(user)
         session.flush()
         job = Job(
-            name="j", owner_id=user.id, state=current.value, spec={}, priority=50, nodes=1, slots_per_node=1,
-            slot_type="cpu", attempts=0,
+            name="j",
+            owner_id=user.id,
+            state=current.value,
+            spec={},
+            priority=50,
+            nodes=1,
+            slots_per_node=1,
+            slot_type="cpu",
+            attempts=0,
         )
         session.add(job)
         session.flush()
@@ -69,7 +76,9 @@ def test_every_pair(session_maker, current: JobState, target: JobState) -> None:
             assert job.state == target.value
             event = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id)).one()
             assert (event.from_state, event.to_state, event.reason) == (
-                current.value, target.value, "because a test said so",
+                current.value,
+                target.value,
+                "because a test said so",
             )
             assert (job.ended_at is not None) == target.is_terminal
         else:
