@@ -25,7 +25,7 @@ from tenacity import RetryCallState, retry, retry_if_exception, stop_after_delay
 
 from phalanx.client import ApiError, Client
 from phalanx.schemas import AgentRegistration, Assignment, LogLine
-from worker_agent.launcher import NodeProcess, free_port, rank_env, torchrun_command
+from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env, torchrun_command
 
 log = logging.getLogger("phalanx.agent")
 T = TypeVar("T")
@@ -191,12 +191,10 @@ class NodeRunner(threading.Thread):
         cfg = self.agent.config
         env = rank_env(a, dict(os.environ), cfg.server_url, cfg.token, cfg.address)
         log_dir = workdir.parent / "torchrun-logs"
-        tail: list[str] = []
+        failure = FailureReport()
 
         def on_line(rank: int | None, stream: str, text: str) -> None:
-            if stream == "stderr":
-                tail.append(text)
-                del tail[:-20]
+            failure.add(rank, stream, text)
             line = LogLine(rank=rank, stream="stderr" if stream == "stderr" else "stdout", time=time.time(), line=text)
             self.agent.shipper.add(a.allocation_id, line)
 
@@ -213,7 +211,7 @@ class NodeRunner(threading.Thread):
             log.warning("start report refused (%s); stopping", exc)
             self._process.stop(cfg.kill_grace)
         code = self._process.wait()
-        reason = "stopped by Phalanx" if self._stop_requested else ("\n".join(tail[-5:]) if code else "")
+        reason = "stopped by Phalanx" if self._stop_requested else (failure.describe() if code else "")
         return code, reason
 
 

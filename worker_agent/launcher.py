@@ -25,6 +25,45 @@ from phalanx.schemas import Assignment
 
 # torchrun --tee prefixes every line of a rank with "[<role><local_rank>]:".
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+# torchrun's failure summary names the first failing rank under "Root Cause".
+_SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+class FailureReport:
+    """Collects what explains a failed node: the root-cause rank from torchrun's summary, its exit
+    code, and the last stderr lines of each rank."""
+
+    def __init__(self, keep: int = 5) -> None:
+        self._keep = keep
+        self._tails: dict[int | None, list[str]] = {}
+        self._in_root_cause = False
+        self.rank: int | None = None
+        self.exit_code: int | None = None
+
+    def add(self, rank: int | None, stream: str, text: str) -> None:
+        if stream != "stderr":
+            return
+        tail = self._tails.setdefault(rank, [])
+        tail.append(text)
+        del tail[: -self._keep]
+        if rank is not None:
+            return
+        if "Root Cause" in text:
+            self._in_root_cause = True
+        elif self._in_root_cause and self.rank is None and (m := _SUMMARY_RANK.match(text)):
+            self.rank = int(m.group(1))
+        elif self._in_root_cause and self.exit_code is None and (m := _SUMMARY_EXIT.match(text)):
+            self.exit_code = int(m.group(1))
+
+    def describe(self) -> str:
+        if self.rank is None:
+            return "\n".join(self._tails.get(None, []))
+        code = "" if self.exit_code is None else f" with code {self.exit_code}"
+        if self.exit_code is not None and self.exit_code < 0:
+            code += f" ({signal.Signals(-self.exit_code).name})" if -self.exit_code in signal.valid_signals() else ""
+        lines = "\n".join(self._tails.get(self.rank, []))
+        return f"rank {self.rank} exited{code}" + (f"; its last stderr lines:\n{lines}" if lines else "")
 
 
 def free_port(address: str) -> int:

@@ -89,7 +89,8 @@ def test_crashing_rank_fails_the_job_with_its_stderr(stack: Stack) -> None:
             "the surviving node to be stopped",
         )
     assert final.state is JobState.FAILED
-    assert final.failure_reason and "node 1" in final.failure_reason and "exited with code" in final.failure_reason
+    assert final.failure_reason and "node 1" in final.failure_reason
+    assert "rank 1 exited with code 7" in final.failure_reason
     assert processes_of_allocation(final.allocations[0].id) == []
 
 

@@ -1,0 +1,50 @@
+"""What the agent makes of torchrun's output."""
+
+from __future__ import annotations
+
+from worker_agent.launcher import FailureReport, entry_argv
+
+SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 18336)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_07:54:40
+  rank      : 3 (local_rank: 1)
+  exitcode  : 7 (pid: 18337)
+============================================================"""
+
+
+def test_failure_report_names_the_root_cause_rank_and_its_stderr() -> None:
+    report = FailureReport()
+    report.add(3, "stderr", "Traceback (most recent call last):")
+    report.add(3, "stderr", "ValueError: bad batch")
+    report.add(2, "stderr", "unrelated")
+    report.add(3, "stdout", "not stderr")
+    for line in SUMMARY.splitlines():
+        report.add(None, "stderr", line)
+    assert (report.rank, report.exit_code) == (3, 7)
+    text = report.describe()
+    assert text.startswith("rank 3 exited with code 7")
+    assert "ValueError: bad batch" in text and "unrelated" not in text and "not stderr" not in text
+
+
+def test_failure_report_names_signals_and_falls_back_to_launcher_lines() -> None:
+    report = FailureReport()
+    for line in ["Root Cause (first observed failure):", "  rank      : 0 (local_rank: 0)", "  exitcode  : -9"]:
+        report.add(None, "stderr", line)
+    assert report.describe() == "rank 0 exited with code -9 (SIGKILL)"
+    bare = FailureReport()
+    bare.add(None, "stderr", "torchrun: error: unrecognized arguments")
+    assert bare.describe() == "torchrun: error: unrecognized arguments"
+
+
+def test_python_means_phalanx_interpreter() -> None:
+    import sys
+
+    assert entry_argv("python train.py --lr 0.1") == [sys.executable, "train.py", "--lr", "0.1"]
+    assert entry_argv("bash run.sh 'a b'") == ["bash", "run.sh", "a b"]
