@@ -70,3 +70,16 @@ def settings(clean_db: str, clean_redis: str, tmp_path: Path) -> Settings:
         heartbeat_interval=0.5,
         heartbeat_timeout=3.0,
     )
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """Remember each phase's outcome on the item, so fixtures can tell that their test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def call_failed(request: pytest.FixtureRequest) -> bool:
+    report = getattr(request.node, "report_call", None)
+    return bool(report is not None and report.failed)

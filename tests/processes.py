@@ -59,6 +59,7 @@ class Stack:
             "PHALANX_HEARTBEAT_INTERVAL": "0.5",
             "PHALANX_HEARTBEAT_TIMEOUT": "5",
             "PHALANX_SCHEDULE_INTERVAL": "1",
+            "PHALANX_LOG_LEVEL": "info",
             **env,
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -128,6 +129,16 @@ class Stack:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+    def dump(self) -> str:
+        """Every component's thread stacks (SIGUSR1) and log tail: what a failed test shows."""
+        import signal
+
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)  # let faulthandler write; there is no event to await for a signal handler
+        return "\n".join(f"===== {name}\n{self.log(name)[-6000:]}" for name in self.procs)
 
     def close(self) -> None:
         # agents first: they stop their workers and report while the server still listens

@@ -154,6 +154,7 @@ class NodeRunner(threading.Thread):
                         self.agent.agent_id, a.allocation_id, a.node_rank, exit_code, reason
                     )
                 )
+                log.info("allocation %d node %d: reported exit %d", a.allocation_id, a.node_rank, exit_code)
             except ApiError as exc:
                 log.warning("exit report for allocation %d refused: %s", a.allocation_id, exc)
             self.agent.forget(self)
@@ -207,6 +208,7 @@ class NodeRunner(threading.Thread):
         log.info("allocation %d node %d: torchrun pid %d", a.allocation_id, a.node_rank, self._process.pid)
         try:
             reliably(lambda: self.agent.client.node_started(self.agent.agent_id, a.allocation_id, a.node_rank))
+            log.info("allocation %d node %d: reported started", a.allocation_id, a.node_rank)
         except ApiError as exc:  # superseded while launching: stop what we started
             log.warning("start report refused (%s); stopping", exc)
             self._process.stop(cfg.kill_grace)

@@ -40,6 +40,14 @@ err = Console(stderr=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
+def _debuggable() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a daemon hangs."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
     raise typer.Exit(code)
@@ -92,7 +100,9 @@ def server(
         application = create_app(get_settings())
     except SchemaOutOfDate as exc:
         fail(str(exc), 2)
-    uvicorn.run(application, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    _debuggable()
+    log_level = os.environ.get("PHALANX_LOG_LEVEL", "warning").lower()
+    uvicorn.run(application, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
 
 
 @app.command()
@@ -169,6 +179,7 @@ def agent(
 
     from worker_agent.agent import AgentConfig, AgentDaemon
 
+    _debuggable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the agent's own
     agent_name = name or socket.gethostname()

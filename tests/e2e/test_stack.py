@@ -11,6 +11,7 @@ import pytest
 
 from phalanx.client import load_job_file
 from phalanx.schemas import JobState
+from tests.conftest import call_failed
 from tests.processes import PHALANX, REPO, Stack, processes_of_allocation, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -19,7 +20,7 @@ SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
 
 
 @pytest.fixture
-def stack(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
+def stack(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
     running = Stack(tmp_path, clean_db, clean_redis)
     try:
         running.start_server()
@@ -28,6 +29,8 @@ def stack(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
         running.start_agent("node-b")
         running.wait_agents(2)
         yield running
+        if call_failed(request):
+            print(running.dump())  # pytest shows it with the failure
     finally:
         running.close()
 
