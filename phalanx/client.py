@@ -12,7 +12,7 @@ import io
 import os
 import tarfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from phalanx.schemas import (
     Agent,
     AgentRegistration,
     AgentWork,
+    CheckpointView,
     Job,
     JobDetail,
     JobSpec,
@@ -86,6 +87,26 @@ def pack_workdir(workdir: Path, max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> by
             "move data sets out of it (read them from shared storage) or point workdir at a smaller folder"
         )
     return data
+
+
+class _StreamReader(io.RawIOBase):
+    """A file-like view of an iterator of byte chunks, for tarfile's stream mode."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks, self._pending = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            try:
+                self._pending = next(self._chunks)
+            except StopIteration:
+                return 0
+        size = min(len(buffer), len(self._pending))
+        buffer[:size], self._pending = self._pending[:size], self._pending[size:]
+        return size
 
 
 class Client:
@@ -176,10 +197,42 @@ class Client:
                 raise TimeoutError(f"job {job_id} is still {job.state.value} after {timeout} s")
             time.sleep(poll)
 
+    def pause_job(self, job_id: int) -> Job:
+        return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)
+
+    def resume_job(self, job_id: int) -> Job:
+        return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/resume").content)
+
+    def checkpoints(self, job_id: int) -> list[CheckpointView]:
+        return self._list(CheckpointView, f"/jobs/{job_id}/checkpoints")
+
+    def download_checkpoint(self, job_id: int, dest: str | Path, step: int | None = None) -> CheckpointView:
+        """Unpack a checkpoint's files into `dest` (the newest when `step` is None)."""
+        available = self.checkpoints(job_id)
+        if not available:
+            raise ApiError(404, f"job {job_id} has no committed checkpoint yet")
+        chosen = available[-1] if step is None else next((c for c in available if c.step == step), None)
+        if chosen is None:
+            steps = ", ".join(str(c.step) for c in available)
+            raise ApiError(404, f"job {job_id} has no checkpoint at step {step}; it has steps {steps}")
+        target = Path(dest)
+        target.mkdir(parents=True, exist_ok=True)
+        path = f"/api/v1/jobs/{job_id}/checkpoints/{chosen.step}/archive"
+        with self._http.stream("GET", path, timeout=600) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise ApiError(response.status_code, response.text)
+            with tarfile.open(fileobj=_StreamReader(response.iter_bytes()), mode="r|gz") as tar:
+                tar.extractall(target, filter="data")
+        return chosen
+
     # --- admin ------------------------------------------------------------------------------------
 
     def agents(self) -> list[Agent]:
         return self._list(Agent, "/agents")
+
+    def drain_agent(self, agent_id: int) -> Agent:
+        return Agent.model_validate_json(self._request("POST", f"/agents/{agent_id}/drain").content)
 
     def create_token(self, kind: str, name: str) -> TokenCreated:
         response = self._request("POST", "/tokens", json={"kind": kind, "name": name})

@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -40,6 +40,7 @@ class JobState(enum.StrEnum):
     SCHEDULED = "SCHEDULED"
     RUNNING = "RUNNING"
     RESTARTING = "RESTARTING"
+    PAUSED = "PAUSED"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -78,10 +79,19 @@ class Resources(_Strict):
 
 
 class CheckpointPolicy(_Strict):
-    keep_last: int = Field(2, ge=0)
-    keep_best: int = Field(0, ge=0)
+    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints (at least 1: the resume point).")
+    keep_best: int = Field(0, ge=0, description="Also keep the best K by `metric`.")
     metric: str | None = None
     mode: Literal["min", "max"] = "min"
+    storage: str | None = Field(
+        None, description="fsspec URI of the checkpoint root (default: the deployment's PHALANX_CHECKPOINT_URI)."
+    )
+
+    @model_validator(mode="after")
+    def _best_needs_metric(self) -> CheckpointPolicy:
+        if self.keep_best and not self.metric:
+            raise ValueError("keep_best needs checkpoint.metric: the reported metric that ranks checkpoints")
+        return self
 
 
 class JobSpec(_Strict):
@@ -93,7 +103,13 @@ class JobSpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     precision: Precision = Precision.FP32
-    max_restarts: int = Field(0, ge=0, le=1000)
+    max_restarts: int = Field(0, ge=0, le=1000, description="Restarts after the job's own failures.")
+    max_infra_restarts: int = Field(
+        10, ge=0, le=1000, description="Restarts after lost agents and preemptions (a separate budget)."
+    )
+    hang_timeout: float | None = Field(
+        None, ge=5, description="Restart when no rank reports a step for this many seconds."
+    )
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     priority: int = Field(50, ge=0, le=100)
     env: dict[str, str] = Field(default_factory=dict)
@@ -138,6 +154,9 @@ class AllocationView(BaseModel):
     master_addr: str
     master_port: int | None
     active: bool
+    fenced: bool
+    end_reason: str | None
+    resume_step: int | None
     created_at: datetime
     ended_at: datetime | None
     nodes: list[NodeView]
@@ -156,6 +175,8 @@ class Job(BaseModel):
     started_at: datetime | None
     ended_at: datetime | None
     attempts: int
+    restarts_used: int = 0
+    infra_restarts_used: int = 0
     latest_metrics: dict[str, float] = Field(default_factory=dict)
     latest_step: int | None = None
 
@@ -188,8 +209,17 @@ class AgentRegistration(_Strict):
     gpu_slots: int = Field(0, ge=0, le=256)
 
 
+class ResumePoint(BaseModel):
+    step: int
+    path: str
+
+
 class Assignment(BaseModel):
-    """What an agent must do for one node of one allocation."""
+    """What an agent must do for one node of one allocation.
+
+    desired: "run"; "stop" (SIGTERM, the script may checkpoint, SIGKILL after the grace period);
+    "kill" (SIGKILL at once: the attempt failed and its state is worthless past the checkpoint).
+    """
 
     allocation_id: int
     job_id: int
@@ -201,11 +231,14 @@ class Assignment(BaseModel):
     slot_indices: list[int]
     master_addr: str
     master_port: int | None
-    desired: Literal["run", "stop"]
+    desired: Literal["run", "stop", "kill"]
     entrypoint: str
     env: dict[str, str]
     hyperparameters: dict[str, Any]
     precision: Precision
+    checkpoint_root: str = ""
+    resume: ResumePoint | None = None
+    pg_timeout: float = 120.0
 
 
 class AgentWork(BaseModel):
@@ -258,6 +291,28 @@ class MetricRecord(_Strict):
 
 class MetricBatch(_Strict):
     records: list[MetricRecord]
+    batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
+
+
+class CheckpointCommit(_Strict):
+    """Sent by rank 0 after the checkpoint's files were renamed into place."""
+
+    step: int = Field(ge=0)
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    size_bytes: int = Field(ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class CheckpointView(BaseModel):
+    id: int
+    job_id: int
+    attempt: int
+    step: int
+    metrics: dict[str, float]
+    size_bytes: int
+    path: str
+    state: str
+    created_at: datetime
 
 
 class MetricPoint(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from scheduler import service
+from server import checkpoints
 from server.db import session_scope
 from server.settings import get_settings
 from server.wakeups import Publisher, agent_channel
@@ -30,10 +31,23 @@ def schedule() -> int:
 
 @shared_task(name="phalanx.reap")  # type: ignore[untyped-decorator]
 def reap() -> int:
+    """Periodic: lost agents and hung attempts. Their jobs restart (or fail) at once."""
     settings = get_settings()
     with session_scope(settings.database_url) as session:
         woken = service.reap_pass(session, settings.heartbeat_timeout)
+    with session_scope(settings.database_url) as session:
+        woken |= service.hang_pass(session)
+    with session_scope(settings.database_url) as session:  # retention whose enqueue was lost
+        for job_id in checkpoints.jobs_with_deletions(session):
+            checkpoints.delete_marked(session, job_id)
     _wake(woken)
     if woken:
         schedule.delay()
     return len(woken)
+
+
+@shared_task(name="phalanx.delete_checkpoints")  # type: ignore[untyped-decorator]
+def delete_checkpoints(job_id: int) -> int:
+    """Remove the files of checkpoints retention dropped, then their rows. Idempotent."""
+    with session_scope(get_settings().database_url) as session:
+        return checkpoints.delete_marked(session, job_id)

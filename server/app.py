@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from server import auth
 from server.api import agents, allocations, jobs, ops, tokens
 from server.api.deps import get_principal
-from server.db import check_schema, session_factory, session_scope
+from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
 from server.settings import Settings
 from server.wakeups import Publisher, Waiter
@@ -24,26 +24,28 @@ WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 log = logging.getLogger("phalanx.server")
 
 
-def _kicker(settings: Settings) -> Callable[[], None]:
-    """Enqueue a scheduling pass after a commit; the periodic pass covers a broker outage."""
-    from scheduler.celery_app import SCHEDULE_TASK, make_celery
+def _enqueuer(settings: Settings) -> Callable[..., None]:
+    """Enqueue a task after a commit (IDs only). Every task is also run by a periodic pass, so a
+    broker outage delays the work, never loses it."""
+    from scheduler.celery_app import make_celery
 
     celery = make_celery(settings)
 
-    def kick() -> None:
+    def enqueue(task: str, *args: int) -> None:
         try:
-            celery.send_task(SCHEDULE_TASK, expires=60, retry=False)
-        except Exception as exc:  # the beat pass will place the job within schedule_interval
-            log.warning("could not enqueue a scheduling pass: %s", exc)
+            celery.send_task(task, args=list(args), expires=60, retry=False)
+        except Exception as exc:
+            log.warning("could not enqueue %s: %s", task, exc)
 
-    return kick
+    return enqueue
 
 
-def create_app(settings: Settings, *, kick_scheduler: Callable[[], None] | None = None) -> FastAPI:
+def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None) -> FastAPI:
     """Build the app on a migrated database. Raises `SchemaOutOfDate` naming the fix otherwise."""
     check_schema(settings.database_url)
     with session_scope(settings.database_url) as session:
         generated = auth.bootstrap(session, settings.admin_token, settings.agent_token)
+        mark_server_start(session)
     if generated:
         print(f"Phalanx admin token (shown once): {generated}", flush=True)
 
@@ -66,7 +68,8 @@ def create_app(settings: Settings, *, kick_scheduler: Callable[[], None] | None 
     app.state.token_cache = auth.TokenCache()
     app.state.publisher = Publisher(settings.redis_url)
     app.state.waiter = waiter
-    app.state.kick_scheduler = kick_scheduler or _kicker(settings)
+    app.state.enqueue = enqueue or _enqueuer(settings)
+    app.state.kick_scheduler = lambda: app.state.enqueue("phalanx.schedule")
     app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
     registry = CollectorRegistry()
     registry.register(ops.StateCollector(app.state.sessions))

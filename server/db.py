@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -113,3 +113,18 @@ def check_schema(url: str) -> None:
             f"the database {state}, but this Phalanx needs revision {head}. "
             "Run `phalanx db upgrade` (with the same PHALANX_DATABASE_URL) and start again."
         )
+
+
+SERVER_STARTED = "server_started"
+
+
+def mark_server_start(session: Session) -> None:
+    """Agents could not heartbeat while no server ran; the reaper reads this to grant them grace."""
+    from server.models import ControlPlane, utcnow
+
+    row = session.get(ControlPlane, SERVER_STARTED)
+    now = session.execute(select(utcnow())).scalar_one()
+    if row is None:
+        session.add(ControlPlane(key=SERVER_STARTED, time=now))
+    else:
+        row.time = now

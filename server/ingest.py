@@ -6,10 +6,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import insert
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from phalanx.schemas import MetricRecord
-from server.models import Metric
+from server.models import Metric, MetricBatch
 
 METRIC_COLUMNS = ("job_id", "allocation_id", "rank", "step", "name", "value", "time")
 COPY_METRICS = f"COPY metrics ({', '.join(METRIC_COLUMNS)}) FROM STDIN"
@@ -40,3 +41,16 @@ def insert_metrics(session: Session, rows: list[tuple[Any, ...]]) -> None:
                 copy.write_row(row)
     else:
         session.execute(insert(Metric), [dict(zip(METRIC_COLUMNS, row, strict=True)) for row in rows])
+
+
+def first_delivery(session: Session, allocation_id: int, batch_id: str) -> bool:
+    """Record a batch id; False when it was recorded before (the sender retried a stored batch)."""
+    dialect = session.get_bind().dialect.name
+    make = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = (
+        make(MetricBatch)
+        .values(allocation_id=allocation_id, batch_id=batch_id)
+        .on_conflict_do_nothing()
+        .returning(MetricBatch.batch_id)
+    )
+    return session.execute(statement).first() is not None

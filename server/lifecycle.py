@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
-from phalanx.schemas import JobSpec, JobState, NodeState
+from phalanx.schemas import AgentState, JobSpec, JobState, NodeState
 from scheduler.placement import AgentSlots, never_fits
 from server.errors import Conflict, NotFound, Unprocessable
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, utcnow
@@ -98,41 +98,81 @@ def _release(session: Session, node: AllocationNode, exit_code: int | None, reas
     session.execute(delete(SlotLease).where(SlotLease.node_id == node.id))
 
 
-def _stop_others(allocation: Allocation) -> set[int]:
+def _stop_nodes(allocation: Allocation, how: str) -> set[int]:
+    """Ask every unexited node to stop ("stop": SIGTERM then SIGKILL; "kill": SIGKILL now)."""
     woken = set()
     for node in allocation.nodes:
-        if node.state != NodeState.EXITED.value and node.desired != "stop":
-            node.desired = "stop"
+        if node.state != NodeState.EXITED.value and node.desired not in (how, "kill"):
+            node.desired = how
             woken.add(node.agent_id)
     return woken
 
 
-def _end_allocation(session: Session, allocation: Allocation) -> None:
-    if all(n.state == NodeState.EXITED.value for n in allocation.nodes):
-        allocation.active = False
-        allocation.ended_at = session.execute(select(utcnow())).scalar_one()
+def _end_allocation(session: Session, job: Job, allocation: Allocation) -> None:
+    """Once every node exited: close the allocation, and queue a restarting job again."""
+    if not allocation.active or any(n.state != NodeState.EXITED.value for n in allocation.nodes):
+        return
+    allocation.active = False
+    allocation.fenced = True
+    allocation.ended_at = session.execute(select(utcnow())).scalar_one()
+    if job.state == JobState.RESTARTING.value:
+        transition(session, job, JobState.QUEUED, "the failed attempt's workers are gone; placing a new attempt")
+        job.wait_reason = "waiting for the scheduler's next pass"
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
-    target: JobState | None  # None: nothing to change yet
+class Failure:
+    """Why an attempt ends early. `budget` says whose fault: the job's ("job") or the
+    infrastructure's ("infra"); `graceful` lets the workers checkpoint before they go."""
+
+    budget: str
+    reason: str
+    graceful: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    restart: bool
     reason: str
 
 
-def outcome_after_exit(job_state: JobState, allocation: Allocation, node: AllocationNode) -> Outcome:
-    """Decide what a node's exit means for its job. Pure: reads, never writes."""
-    if job_state.is_terminal:
-        return Outcome(None, "")
-    if node.exit_code != 0:
-        code = "unknown" if node.exit_code is None else str(node.exit_code)
-        detail = f": {node.reason}" if node.reason else ""
-        return Outcome(
-            JobState.FAILED,
-            f"node {node.node_rank} on agent {node.agent.name} exited with code {code}{detail}",
-        )
-    if all(n.state == NodeState.EXITED.value and n.exit_code == 0 for n in allocation.nodes):
-        return Outcome(JobState.COMPLETED, "every rank exited with code 0")
-    return Outcome(None, "")
+def decide_restart(job: Job, failure: Failure) -> Decision:
+    """Policy only: restart within the failure's budget, else fail. Pure: reads, never writes."""
+    spec = JobSpec.model_validate(job.spec)
+    if failure.budget == "infra":
+        used, limit, name = job.infra_restarts_used, spec.max_infra_restarts, "max_infra_restarts"
+    else:
+        used, limit, name = job.restarts_used, spec.max_restarts, "max_restarts"
+    if used < limit:
+        return Decision(True, f"restart {used + 1} of {limit} ({name}): {failure.reason}")
+    return Decision(False, f"{failure.reason} (no restarts left: {name} is {limit})")
+
+
+def end_attempt(session: Session, job: Job, allocation: Allocation, failure: Failure) -> set[int]:
+    """Act on a failure: stop the gang, and restart the job within its budget or fail it."""
+    if JobState(job.state).is_terminal or allocation.end_reason is not None:
+        return set()  # the attempt is already ending; the first cause is the one recorded
+    allocation.end_reason = failure.reason
+    if not failure.graceful:
+        allocation.fenced = True  # a zombie of this attempt may no longer write metrics or checkpoints
+    woken = _stop_nodes(allocation, "stop" if failure.graceful else "kill")
+    decision = decide_restart(job, failure)
+    if decision.restart:
+        if failure.budget == "infra":
+            job.infra_restarts_used += 1
+        else:
+            job.restarts_used += 1
+        transition(session, job, JobState.RESTARTING, decision.reason)
+    else:
+        transition(session, job, JobState.FAILED, decision.reason)
+    _end_allocation(session, job, allocation)
+    return woken
+
+
+def _node_failure(node: AllocationNode) -> Failure:
+    code = "unknown" if node.exit_code is None else str(node.exit_code)
+    detail = f": {node.reason}" if node.reason else ""
+    return Failure("job", f"node {node.node_rank} on agent {node.agent.name} exited with code {code}{detail}")
 
 
 def record_node_exit(
@@ -142,14 +182,16 @@ def record_node_exit(
         return set()  # idempotent: an agent retrying a report it already made
     _release(session, node, exit_code, reason)
     job = get_job(session, allocation.job_id, lock=True)
-    outcome = outcome_after_exit(JobState(job.state), allocation, node)
     woken: set[int] = set()
-    if outcome.target is JobState.FAILED:
-        woken = _stop_others(allocation)
-        transition(session, job, JobState.FAILED, outcome.reason)
-    elif outcome.target is JobState.COMPLETED:
-        transition(session, job, JobState.COMPLETED, outcome.reason)
-    _end_allocation(session, allocation)
+    # An attempt that is already ending (failed, stopped by a user, or its job left the running
+    # states) expects its nodes to exit, with any code.
+    running = job.state in (JobState.RUNNING.value, JobState.SCHEDULED.value)
+    ending = allocation.end_reason is not None or not running
+    if not ending and exit_code != 0:
+        woken = end_attempt(session, job, allocation, _node_failure(node))
+    elif not ending and all(n.state == NodeState.EXITED.value and n.exit_code == 0 for n in allocation.nodes):
+        transition(session, job, JobState.COMPLETED, "every rank exited with code 0")
+    _end_allocation(session, job, allocation)
     session.flush()
     return woken
 
@@ -165,16 +207,59 @@ def record_node_started(session: Session, allocation: Allocation, node: Allocati
     session.flush()
 
 
+def _stop_for_user(session: Session, job: Job, target: JobState, reason: str, fence: bool) -> set[int]:
+    transition(session, job, target, reason)
+    allocation = active_allocation(session, job.id)
+    if allocation is None:
+        return set()
+    if allocation.end_reason is None:
+        allocation.end_reason = reason
+    allocation.fenced = allocation.fenced or fence
+    return _stop_nodes(allocation, "stop")
+
+
 def kill_job(session: Session, job: Job, reason: str = "cancelled by user") -> set[int]:
     if JobState(job.state).is_terminal:
         raise Conflict(f"job {job.id} already ended as {job.state}; nothing to kill")
-    transition(session, job, JobState.CANCELLED, reason)
-    allocation = active_allocation(session, job.id)
-    return _stop_others(allocation) if allocation else set()
+    return _stop_for_user(session, job, JobState.CANCELLED, reason, fence=True)
+
+
+def pause_job(session: Session, job: Job) -> set[int]:
+    """SIGTERM the workers (should_stop() turns true; they checkpoint and leave); `resume` requeues."""
+    if job.state not in (JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value, "RESTARTING"):
+        raise Conflict(f"job {job.id} is {job.state}; only a queued or running job can be paused")
+    # not fenced: the checkpoint the workers write on their way out must still be accepted
+    return _stop_for_user(session, job, JobState.PAUSED, "paused by user", fence=False)
+
+
+def resume_job(session: Session, job: Job) -> None:
+    if job.state != JobState.PAUSED.value:
+        raise Conflict(f"job {job.id} is {job.state}, not PAUSED; there is nothing to resume")
+    transition(session, job, JobState.QUEUED, "resumed by user")
+    job.wait_reason = "waiting for the scheduler's next pass"
+
+
+def drain_agent(session: Session, agent: Agent) -> set[int]:
+    """No new work for the agent; the attempts it hosts checkpoint, stop, and restart elsewhere."""
+    agent.state = AgentState.DRAINING.value
+    woken: set[int] = set()
+    allocations = session.scalars(
+        select(Allocation)
+        .join(AllocationNode)
+        .where(AllocationNode.agent_id == agent.id, Allocation.active.is_(True))
+        .options(selectinload(Allocation.nodes))
+        .distinct()
+    ).all()
+    for allocation in allocations:
+        job = get_job(session, allocation.job_id, lock=True)
+        failure = Failure("infra", f"preempted: agent {agent.name} is draining", graceful=True)
+        woken |= end_attempt(session, job, allocation, failure)
+    return woken
 
 
 def fail_agent_nodes(session: Session, agent: Agent, reason: str) -> set[int]:
-    """An agent is gone (lost, or restarted and re-registered): its unexited nodes exited unknown."""
+    """An agent is gone (lost, or restarted and re-registered): its unexited nodes exited unknown,
+    and their attempts restart elsewhere on the infrastructure budget."""
     woken: set[int] = set()
     nodes = session.scalars(
         select(AllocationNode)
@@ -182,8 +267,13 @@ def fail_agent_nodes(session: Session, agent: Agent, reason: str) -> set[int]:
         .options(selectinload(AllocationNode.allocation).selectinload(Allocation.nodes))
     ).all()
     for node in nodes:
-        woken |= record_node_exit(session, node.allocation, node, None, reason)
+        allocation = node.allocation
+        job = get_job(session, allocation.job_id, lock=True)
+        woken |= end_attempt(session, job, allocation, Failure("infra", reason))
+        _release(session, node, None, reason)
+        _end_allocation(session, job, allocation)
     woken.discard(agent.id)
+    session.flush()
     return woken
 
 

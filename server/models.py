@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -115,6 +116,9 @@ class Job(Base):
     wait_reason: Mapped[str | None] = mapped_column(Text)
     failure_reason: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Restart budgets: failures of the job itself (crash, hang) vs. of the infrastructure.
+    restarts_used: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    infra_restarts_used: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     submitted_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
     started_at: Mapped[datetime | None] = mapped_column(DateTime)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
@@ -150,7 +154,13 @@ class Allocation(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     master_addr: Mapped[str] = mapped_column(String(255))
     master_port: Mapped[int | None] = mapped_column(Integer)
+    # active: some node has not exited yet. fenced: its workers may no longer write metrics or
+    # checkpoints (it failed, was superseded, or its job ended); logs are still taken until exit.
     active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
+    fenced: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    end_reason: Mapped[str | None] = mapped_column(Text)
+    resume_step: Mapped[int | None] = mapped_column(BigInteger)
+    last_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
 
@@ -203,6 +213,47 @@ class Metric(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float] = mapped_column(Float)
+    time: Mapped[datetime] = mapped_column(DateTime)
+    # A resumed attempt re-does the steps after its checkpoint; the failed attempt's points for
+    # those steps are kept but marked, and reads skip them unless asked for every attempt.
+    superseded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+
+
+class MetricBatch(Base):
+    """Batches already stored, so a sender retrying after a lost answer stores nothing twice."""
+
+    __tablename__ = "metric_batches"
+
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+
+class Checkpoint(Base):
+    """A checkpoint whose files are complete. Rows appear only after the files were renamed into
+    place; DELETING rows are removed only once their files are gone."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "path"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    path: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))  # COMMITTED | DELETING
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+
+class ControlPlane(Base):
+    """Facts about the control plane itself, e.g. when a server last started (the reaper gives
+    agents a heartbeat timeout's grace after that: they could not report while it was down)."""
+
+    __tablename__ = "control_plane"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
     time: Mapped[datetime] = mapped_column(DateTime)
 
 

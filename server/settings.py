@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     # How long an agent's long-poll for new work may hang before it returns unchanged.
     work_poll_seconds: float = Field(20.0, gt=0)
     schedule_interval: float = Field(3.0, gt=0)
+    # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a
+    # shared filesystem, s3://, ...). Empty means <data_dir>/checkpoints.
+    checkpoint_uri: str = ""
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
@@ -33,6 +36,8 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.data_dir / 'phalanx.db'}"
         if not self.broker_url:
             self.broker_url = "filesystem://"
+        if not self.checkpoint_uri:
+            self.checkpoint_uri = f"file://{self.data_dir / 'checkpoints'}"
         return self
 
     @property

@@ -18,10 +18,12 @@ from server.models import Job, JobEvent, utcnow
 S = JobState
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {
-    S.QUEUED: frozenset({S.SCHEDULED, S.CANCELLED, S.FAILED}),
-    S.SCHEDULED: frozenset({S.RUNNING, S.RESTARTING, S.COMPLETED, S.FAILED, S.CANCELLED}),
-    S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.CANCELLED, S.PRUNED, S.RESTARTING}),
-    S.RESTARTING: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
+    S.QUEUED: frozenset({S.SCHEDULED, S.PAUSED, S.CANCELLED, S.FAILED}),
+    S.SCHEDULED: frozenset({S.RUNNING, S.RESTARTING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),
+    S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.CANCELLED, S.PRUNED, S.RESTARTING, S.PAUSED}),
+    S.RESTARTING: frozenset({S.QUEUED, S.PAUSED, S.FAILED, S.CANCELLED}),
+    # Paused: its workers were asked to checkpoint and leave; `resume` queues it again.
+    S.PAUSED: frozenset({S.QUEUED, S.CANCELLED}),
     S.COMPLETED: frozenset(),
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),

@@ -6,7 +6,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server.models import Agent, Allocation, Job, LogLine, Metric, SlotLease
+from server.models import Agent, Allocation, Checkpoint, Job, LogLine, Metric, SlotLease
 
 
 def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:
@@ -24,6 +24,8 @@ def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:
         started_at=row.started_at,
         ended_at=row.ended_at,
         attempts=row.attempts,
+        restarts_used=row.restarts_used,
+        infra_restarts_used=row.infra_restarts_used,
         latest_metrics=metrics,
         latest_step=step,
     )
@@ -52,6 +54,9 @@ def allocation(row: Allocation) -> schemas.AllocationView:
         master_addr=row.master_addr,
         master_port=row.master_port,
         active=row.active,
+        fenced=row.fenced,
+        end_reason=row.end_reason,
+        resume_step=row.resume_step,
         created_at=row.created_at,
         ended_at=row.ended_at,
         nodes=[
@@ -71,7 +76,9 @@ def allocation(row: Allocation) -> schemas.AllocationView:
 def latest_metrics(session: Session, job_id: int) -> tuple[dict[str, float], int | None]:
     """The newest value of each metric name (any rank), and the newest step seen."""
     newest = (
-        select(Metric.name, func.max(Metric.id).label("id")).where(Metric.job_id == job_id).group_by(Metric.name)
+        select(Metric.name, func.max(Metric.id).label("id"))
+        .where(Metric.job_id == job_id, Metric.superseded.is_(False))
+        .group_by(Metric.name)
     ).subquery()
     rows = session.execute(select(Metric.name, Metric.value, Metric.step).join(newest, Metric.id == newest.c.id)).all()
     values = {name: value for name, value, _ in rows}
@@ -113,4 +120,18 @@ def log_record(row: LogLine) -> schemas.LogRecord:
         stream=row.stream,
         time=row.time,
         line=row.line,
+    )
+
+
+def checkpoint(row: Checkpoint) -> schemas.CheckpointView:
+    return schemas.CheckpointView(
+        id=row.id,
+        job_id=row.job_id,
+        attempt=row.attempt,
+        step=row.step,
+        metrics=row.metrics,
+        size_bytes=row.size_bytes,
+        path=row.path,
+        state=row.state,
+        created_at=row.created_at,
     )

@@ -123,15 +123,21 @@ class NodeRunner(threading.Thread):
         return self._assignment.allocation_id
 
     def update(self, assignment: Assignment | None) -> None:
-        """A newer view from the server; None means the server no longer knows this node."""
+        """A newer view from the server; None means the server no longer knows this node.
+
+        "stop" gives the ranks `kill_grace` seconds after SIGTERM (to checkpoint); "kill" and a
+        forgotten node get SIGKILL at once: their attempt is over and fenced."""
         with self._changed:
-            if assignment is None or assignment.desired == "stop":
-                self._stop_requested = True
+            wanted = "kill" if assignment is None else assignment.desired
             if assignment is not None:
                 self._assignment = assignment
+            if wanted in ("stop", "kill"):
+                self._stop_requested = True
             self._changed.notify_all()
-        if self._stop_requested and self._process is not None:
-            threading.Thread(target=self._process.stop, args=(self.agent.config.kill_grace,), daemon=True).start()
+            process = self._process
+        if wanted in ("stop", "kill") and process is not None:
+            grace = 0.0 if wanted == "kill" else self.agent.config.kill_grace
+            threading.Thread(target=process.stop, args=(grace,), daemon=True).start()
 
     def run(self) -> None:
         a = self._assignment

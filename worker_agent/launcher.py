@@ -129,7 +129,11 @@ def rank_env(a: Assignment, base: dict[str, str], server_url: str, token: str, a
         PHALANX_ATTEMPT=str(a.attempt),
         PHALANX_HPARAMS=json.dumps(a.hyperparameters),
         PHALANX_PRECISION=a.precision.value,
+        PHALANX_CHECKPOINT_ROOT=a.checkpoint_root,
+        PHALANX_PG_TIMEOUT=f"{a.pg_timeout:g}",
     )
+    if a.resume is not None:
+        env.update(PHALANX_RESUME_STEP=str(a.resume.step), PHALANX_RESUME_PATH=a.resume.path)
     if a.slot_type.value == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in a.slot_indices)
     elif "OMP_NUM_THREADS" not in a.env:
@@ -199,9 +203,10 @@ class NodeProcess:
             tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        for proc in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.send_signal(signal.SIGTERM)
+        if grace > 0:
+            for proc in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             alive = [p for p in tree if _alive(p)]
@@ -210,7 +215,7 @@ class NodeProcess:
             # New ranks may have appeared while we waited; include them.
             tree = alive + [c for p in alive for c in _children(p) if c not in alive]
             time.sleep(0.05)
-        for proc in tree:
+        for proc in reversed(tree):  # ranks before their torchrun, so it cannot start more
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
 

@@ -75,8 +75,16 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
-    global_step, train_seconds = 0, 0.0
-    for epoch in range(args.epochs):
+    start_epoch, global_step, train_seconds = 0, 0, 0.0
+    if ctx.latest_checkpoint is not None:  # a restarted attempt: carry on after the last checkpoint
+        state = ctx.latest_checkpoint.load()
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, global_step = state["epoch"] + 1, state["step"]
+        print(f"rank {ctx.rank} resumes after epoch {state['epoch']} (step {global_step})", flush=True)
+    first_step = global_step + 1
+    for epoch in range(start_epoch, args.epochs):
+        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the epoch alone
         loss_sum, seen = torch.zeros((), device=ctx.device), 0
         epoch_start = time.perf_counter()
         for x, y in train_loader:
@@ -89,19 +97,21 @@ def main() -> None:
             global_step += 1
             accuracy = (logits.argmax(1) == y).float().mean()
             ctx.report({"loss": loss, "accuracy": accuracy}, step=global_step)  # queued; never blocks
-            if global_step == 1:  # benchmarks: time to first step; the rate excludes this warm-up
+            if global_step == first_step:  # benchmarks: time to first step; the rate excludes this warm-up
                 epoch_start = time.perf_counter()
                 if ctx.rank == 0:
                     print(f"phalanx-first-step {time.time():.3f}", flush=True)
         train_seconds += time.perf_counter() - epoch_start
         accuracy = evaluate(model, val_loader, ctx)
-        ctx.report({"val_accuracy": accuracy}, step=global_step)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": global_step}
+        # rank 0 writes; the rename and the commit to Phalanx happen off the training thread
+        ctx.report({"val_accuracy": accuracy}, step=global_step, checkpoint=state)
         if ctx.rank == 0:
             print(f"epoch {epoch} loss {loss_sum.item() / seen:.4f} val_accuracy {accuracy:.4f}", flush=True)
 
     if ctx.rank == 0:
         print(f"final-checksum: {checksum(model)}")
-        print(f"phalanx-steps-per-second {(global_step - 1) / train_seconds:.1f}", flush=True)
+        print(f"phalanx-steps-per-second {(global_step - first_step) / max(train_seconds, 1e-9):.1f}", flush=True)
     ctx.finish()
 
 

@@ -30,10 +30,12 @@ jobs_app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
 agents_app = typer.Typer(help="Inspect agents (the nodes that run workers).", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 tokens_app = typer.Typer(help="Mint API tokens (admin).", no_args_is_help=True)
+checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(agents_app, name="agents")
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
+app.add_typer(checkpoints_app, name="checkpoints")
 
 console = Console()
 err = Console(stderr=True)
@@ -429,6 +431,76 @@ def jobs_kill(job_id: int, as_json: JsonOpt = False) -> None:
         print_json({"id": job.id, "state": job.state.value})
     else:
         console.print(f"job {job.id} {job.state.value}")
+
+
+@jobs_app.command("pause")
+def jobs_pause(job_id: int, as_json: JsonOpt = False) -> None:
+    """SIGTERM the workers so they checkpoint and leave; `jobs resume` continues from there."""
+    with api() as client:
+        job = client.pause_job(job_id)
+    print_json({"id": job.id, "state": job.state.value}) if as_json else console.print(
+        f"job {job.id} {job.state.value}"
+    )
+
+
+@jobs_app.command("resume")
+def jobs_resume(job_id: int, as_json: JsonOpt = False) -> None:
+    """Queue a paused job again; it starts from its newest checkpoint."""
+    with api() as client:
+        job = client.resume_job(job_id)
+    print_json({"id": job.id, "state": job.state.value}) if as_json else console.print(
+        f"job {job.id} {job.state.value}"
+    )
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(job_id: int, as_json: JsonOpt = False) -> None:
+    """Committed checkpoints of a job, oldest first."""
+    with api() as client:
+        rows = client.checkpoints(job_id)
+    if as_json:
+        print_json(rows)
+        return
+    table = Table()
+    for column in ("step", "attempt", "size", "metrics", "created", "path"):
+        table.add_column(column)
+    for c in rows:
+        size = f"{c.size_bytes / 2**20:.1f} MiB"
+        table.add_row(str(c.step), str(c.attempt), size, _fmt_metrics(c.metrics), str(c.created_at), c.path)
+    console.print(table)
+
+
+@checkpoints_app.command("download")
+def checkpoints_download(
+    job_id: int,
+    args: Annotated[list[str], typer.Argument(help="[STEP] DIR: the step (default: newest) and where to unpack")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Download a checkpoint's files into DIR."""
+    if len(args) not in (1, 2) or (len(args) == 2 and not args[0].isdigit()):
+        fail("usage: phalanx checkpoints download JOB [STEP] DIR", 2)
+    step = int(args[0]) if len(args) == 2 else None
+    with api() as client:
+        chosen = client.download_checkpoint(job_id, args[-1], step)
+    if as_json:
+        print_json(chosen)
+    else:
+        console.print(f"checkpoint of step {chosen.step} (attempt {chosen.attempt}) unpacked into {args[-1]}")
+
+
+@agents_app.command("drain")
+def agents_drain(agent: Annotated[str, typer.Argument(help="Agent name or id.")], as_json: JsonOpt = False) -> None:
+    """Place no more work on an agent; the jobs on it checkpoint, stop, and restart elsewhere."""
+    with api() as client:
+        known = client.agents()
+        match = next((a for a in known if a.name == agent or str(a.id) == agent), None)
+        if match is None:
+            fail(f"no agent named {agent!r}; `phalanx agents list` shows them")
+        drained = client.drain_agent(match.id)
+    if as_json:
+        print_json(drained)
+    else:
+        console.print(f"agent {drained.name} {drained.state.value}")
 
 
 @agents_app.command("list")

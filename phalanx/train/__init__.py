@@ -13,15 +13,17 @@
             ctx.report({"loss": loss}, step=step)
             if ctx.should_stop():
                 break
+        ctx.save_checkpoint({"model": model.state_dict(), "epoch": epoch}, step=step)
     ctx.finish()
 
 The same script runs unchanged under plain `python` or `torchrun`: metrics are then kept in
 memory. Importing this package loads torch and nothing from the server.
 """
 
+from phalanx.train._checkpoint import Checkpoint
 from phalanx.train._context import Context, init
 from phalanx.train._data import PreparedDataLoader
 from phalanx.train._env import PRECISIONS
 from phalanx.train._metrics import MetricRecordDict, MetricStats
 
-__all__ = ["PRECISIONS", "Context", "MetricRecordDict", "MetricStats", "PreparedDataLoader", "init"]
+__all__ = ["PRECISIONS", "Checkpoint", "Context", "MetricRecordDict", "MetricStats", "PreparedDataLoader", "init"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from phalanx.train._checkpoint import Checkpoint, CheckpointWriter, http_committer, resume_point
 from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
@@ -55,7 +58,8 @@ class Context:
         self.job_id = env.job_id
         self.allocation_id = env.allocation_id
         self.attempt = env.attempt
-        self.latest_checkpoint: Any = None  # checkpoints arrive in a later version
+        # The committed checkpoint this attempt starts from (None on a first attempt).
+        self.latest_checkpoint: Checkpoint | None = resume_point(os.environ)
         self.finished = False
 
         if torch.cuda.is_available():
@@ -80,6 +84,15 @@ class Context:
             assert env.url is not None and env.allocation_id is not None  # read_env checked
             sink = HttpMetricSink(env.url, env.allocation_id, env.token)
         self._pipeline = MetricPipeline(self.rank, sink)
+        self._checkpoint_superseded = False
+        root = os.environ.get("PHALANX_CHECKPOINT_ROOT") or f"file://{Path.cwd() / 'checkpoints'}"
+        committer = None
+        if env.managed:
+            assert env.url is not None and env.allocation_id is not None
+            committer = http_committer(env.url, env.allocation_id, env.token)
+        self._checkpoints = CheckpointWriter(
+            root, env.attempt, self.rank, self.world_size, committer, self._superseded_by_checkpoint
+        )
         # Bound once: report() then costs a method call, a dict copy and a queue put.
         self._put: Callable[[Any], None] = self._pipeline.queue.put
         self._last_step: Any = -1
@@ -163,21 +176,41 @@ class Context:
 
     # --- metrics and control -------------------------------------------------------------
 
-    def report(self, values: Mapping[str, Any], step: int | None = None) -> None:
+    def report(
+        self, values: Mapping[str, Any], step: int | None = None, *, checkpoint: Any = None, sharded: bool = False
+    ) -> None:
         """Record metrics for `step` (default: the previous step + 1). Never blocks.
 
         Values may be numbers or 0-dim tensors; tensors are read later by a background thread,
         so do not modify a reported tensor in place afterwards. nan/inf values are dropped.
+        With `checkpoint=` (a state dict, or a folder the script wrote) the checkpoint of this
+        step is saved too, and these metrics rank it for retention (see `save_checkpoint`).
         """
         if step is None:
             step = self._last_step + 1
         self._last_step = step
         # The copy protects against the caller reusing its dict; everything else is deferred.
         self._put((step, time.time(), dict(values)))
+        if checkpoint is not None:
+            self.save_checkpoint(checkpoint, step=step, metrics=values, sharded=sharded)
+
+    def save_checkpoint(
+        self, state: Any, step: int, metrics: Mapping[str, Any] | None = None, *, sharded: bool = False
+    ) -> None:
+        """Save a checkpoint of `step`: a state dict (saved with torch.save) or a folder's files.
+
+        Call it on every rank. Rank 0 writes unless `sharded`, where each rank writes its part
+        (and all ranks meet at a barrier). The training thread pays for writing the files only;
+        the rename into place and the commit to Phalanx happen in the background.
+        """
+        self._checkpoints.save(state, step, metrics, sharded)
+
+    def _superseded_by_checkpoint(self) -> None:
+        self._checkpoint_superseded = True
 
     def should_stop(self) -> bool:
         """True once this process was asked to leave: SIGTERM, or a newer attempt superseded it."""
-        return self._sigterm_received or self._pipeline.superseded
+        return self._sigterm_received or self._pipeline.superseded or self._checkpoint_superseded
 
     def flush(self, timeout: float = DEFAULT_FINISH_TIMEOUT_S) -> bool:
         """Wait until every metric reported so far was sent (or stored); False on timeout."""
@@ -198,6 +231,9 @@ class Context:
             return
         self.finished = True
         self._put = _report_after_finish
+        # The last checkpoint (often the one written because should_stop() said so) must commit.
+        self._checkpoints.flush(timeout)
+        self._checkpoints.close(1.0)
         self._pipeline.close(timeout)
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -22,9 +22,10 @@ class HttpMetricSink:
         self._client = httpx.Client(base_url=url, headers=headers, timeout=SEND_TIMEOUT_S)
         self._path = f"/api/v1/allocations/{allocation_id}/metrics"
 
-    def send(self, records: list[MetricRecordDict], timeout: float) -> SendOutcome:
+    def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
         try:
-            response = self._client.post(self._path, json={"records": records}, timeout=timeout)
+            body = {"records": records, "batch_id": batch_id}
+            response = self._client.post(self._path, json=body, timeout=timeout)
         except httpx.HTTPError as exc:
             logger.debug("phalanx: metrics request failed: %s", exc)
             return SendOutcome.RETRY

@@ -14,6 +14,7 @@ import math
 import random
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,7 +50,10 @@ class SendOutcome(enum.Enum):
 
 
 class MetricSink(Protocol):
-    def send(self, records: list[MetricRecordDict], timeout: float) -> SendOutcome: ...
+    def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
+        """Deliver one batch. A retried batch has the same records and `batch_id`, so the server
+        stores it once even when an earlier answer was lost."""
+        ...
 
     def close(self) -> None: ...
 
@@ -102,6 +106,8 @@ class MetricPipeline:
         self._max_buffer = max_buffer
 
         self._buffer: deque[MetricRecordDict] = deque()  # sink mode: converted, not yet delivered
+        self._stream_id = uuid.uuid4().hex[:16]  # batch ids: this stream, then the records before it
+        self._retry_size = 0
         self._memory: deque[MetricRecordDict] = deque(maxlen=max_buffer)  # no-sink mode
         self._memory_lock = threading.Lock()
         self._markers: list[tuple[int, _FlushMarker]] = []
@@ -271,9 +277,13 @@ class MetricPipeline:
                 timeout = min(timeout, self._deadline - time.monotonic())
                 if timeout <= 0:
                     return
-            batch = list(islice(self._buffer, self._max_batch))
-            outcome = self._sink.send(batch, timeout)
+            # A retry resends exactly the records it sent before, under the same id.
+            batch = list(islice(self._buffer, self._retry_size or self._max_batch))
+            # (dropping the oldest on overflow shifts the window, and with it the id)
+            offset = self._handled + self._dropped_overflow
+            outcome = self._sink.send(batch, timeout, f"{self._stream_id}-{offset}")
             if outcome is SendOutcome.RETRY:
+                self._retry_size = len(batch)
                 self._failed_attempts += 1
                 if not self._failing:
                     logger.warning("phalanx: cannot send metrics yet; retrying with backoff")
@@ -281,6 +291,7 @@ class MetricPipeline:
                 self._next_attempt = time.monotonic() + self._backoff_s * random.uniform(0.5, 1.0)
                 self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
                 return
+            self._retry_size = 0
             if self._failing:
                 logger.info("phalanx: metrics are flowing again")
                 self._failing = False

@@ -23,12 +23,16 @@ from server.api.deps import (
     WaiterDep,
     read_capped_body,
 )
+from server.checkpoints import storage_for
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import from_unix
-from server.models import Agent, Allocation, AllocationNode, Job, LogLine, utcnow
+from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
+from server.settings import Settings
 from server.wakeups import agent_channel
 
 router = APIRouter(prefix="/agents", tags=["agents"])
+# A hung peer is seen at the process-group timeout; torch's default (30 min for NCCL) is far too long.
+PG_TIMEOUT = 120.0
 
 
 @router.get("", response_model=list[schemas.Agent])
@@ -78,7 +82,7 @@ def heartbeat(agent_id: int, session: SessionDep, _: AgentDep) -> Response:
     return Response(status_code=204)
 
 
-def _load_work(session: Session, agent_id: int) -> schemas.AgentWork:
+def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.AgentWork:
     with session.begin():
         if session.get(Agent, agent_id) is None:
             raise NotFound(f"agent {agent_id} is not registered; register it first")
@@ -105,15 +109,41 @@ def _load_work(session: Session, agent_id: int) -> schemas.AgentWork:
                     slot_indices=list(node.slot_indices),
                     master_addr=allocation.master_addr,
                     master_port=allocation.master_port,
-                    desired="stop" if node.desired == "stop" else "run",
+                    desired=node.desired if node.desired in ("stop", "kill") else "run",
                     entrypoint=spec.entrypoint,
                     env=spec.env,
                     hyperparameters=spec.hyperparameters,
                     precision=spec.precision,
+                    checkpoint_root=storage_for(job, settings.checkpoint_uri),
+                    resume=_resume_point(session, allocation),
+                    pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
                 )
             )
     body = "[" + ",".join(a.model_dump_json() for a in assignments) + "]"
     return schemas.AgentWork(version=hashlib.sha1(body.encode()).hexdigest(), assignments=assignments)
+
+
+def _resume_point(session: Session, allocation: Allocation) -> schemas.ResumePoint | None:
+    if allocation.resume_step is None:
+        return None
+    checkpoint = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == allocation.job_id, Checkpoint.step == allocation.resume_step)
+    ).first()
+    # Gone only when retention dropped it after this attempt wrote newer ones: it has started by then.
+    return None if checkpoint is None else schemas.ResumePoint(step=checkpoint.step, path=checkpoint.path)
+
+
+@router.post("/{agent_id}/drain", response_model=schemas.Agent)
+def drain(agent_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Agent:
+    """Stop placing work on the agent; its attempts checkpoint, stop, and restart elsewhere."""
+    with session.begin():
+        agent = session.get(Agent, agent_id, with_for_update=True)
+        if agent is None:
+            raise NotFound(f"agent {agent_id} is not registered; `phalanx agents list` shows them")
+        woken = lifecycle.drain_agent(session, agent) | {agent.id}
+        result = views.agents(session, [agent])[0]
+    publisher.publish(agent_channel(a) for a in woken)
+    return result
 
 
 @router.get("/{agent_id}/work", response_model=schemas.AgentWork)
@@ -135,7 +165,7 @@ async def agent_work(
 
             def load() -> schemas.AgentWork:
                 with sessions() as session:
-                    return _load_work(session, agent_id)
+                    return _load_work(session, agent_id, settings)
 
             work = await run_in_threadpool(load)
             remaining = deadline - time.monotonic()

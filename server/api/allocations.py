@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import select, update
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server.api.deps import AgentDep, SettingsDep, read_capped_body
+from server import checkpoints, lifecycle, views
+from server.api.deps import AgentDep, SessionDep, SettingsDep, read_capped_body
 from server.errors import Conflict, NotFound, Unprocessable
-from server.ingest import insert_metrics, metric_rows
-from server.models import Allocation
+from server.ingest import first_delivery, insert_metrics, metric_rows
+from server.models import Allocation, utcnow
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
 
@@ -28,14 +29,39 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
     def store() -> None:
         with request.app.state.sessions() as session, session.begin():
             row = session.execute(
-                select(Allocation.job_id, Allocation.active).where(Allocation.id == allocation_id)
+                select(Allocation.job_id, Allocation.active, Allocation.fenced).where(Allocation.id == allocation_id)
             ).one_or_none()
             if row is None:
                 raise NotFound(f"allocation {allocation_id} does not exist")
-            job_id, active = row
-            if not active:
+            job_id, active, fenced = row
+            if fenced or not active:
                 raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
+            if batch.batch_id is not None and not first_delivery(session, allocation_id, batch.batch_id):
+                return  # a retry of a batch whose answer was lost: stored already
             insert_metrics(session, metric_rows(job_id, allocation_id, batch.records))
+            # progress for hang detection, on the database clock
+            session.execute(update(Allocation).where(Allocation.id == allocation_id).values(last_progress_at=utcnow()))
 
     await run_in_threadpool(store)
     return Response(status_code=204)
+
+
+@router.post("/{allocation_id}/checkpoints", status_code=201, response_model=schemas.CheckpointView)
+def commit_checkpoint(
+    allocation_id: int,
+    body: schemas.CheckpointCommit,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    _: AgentDep,
+) -> schemas.CheckpointView:
+    """Rank 0 reports a checkpoint whose files were renamed into place. 409 once superseded."""
+    with session.begin():
+        allocation = session.get(Allocation, allocation_id)
+        if allocation is None:
+            raise NotFound(f"allocation {allocation_id} does not exist")
+        job = lifecycle.get_job(session, allocation.job_id, lock=True)
+        row = checkpoints.commit(session, allocation, job, body, settings.checkpoint_uri)
+        result = views.checkpoint(row)
+    request.app.state.enqueue("phalanx.delete_checkpoints", job.id)
+    return result

@@ -8,16 +8,16 @@ import tempfile
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from phalanx import schemas
-from server import lifecycle, views
+from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, PublisherDep, SessionDep, SettingsDep, UserDep
 from server.errors import NotFound, TooLarge, Unprocessable
-from server.models import Allocation, AllocationNode, Job, LogLine, Metric
+from server.models import Allocation, AllocationNode, Checkpoint, Job, LogLine, Metric
 from server.wakeups import agent_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -143,10 +143,15 @@ def job_metrics(
     _: UserDep,
     name: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+    all_attempts: Annotated[
+        bool, Query(description="Include the points of failed attempts that a resumed attempt re-did")
+    ] = False,
 ) -> list[schemas.MetricPoint]:
     with session.begin():
         lifecycle.get_job(session, job_id)
         query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.id).limit(limit)
+        if not all_attempts:
+            query = query.where(Metric.superseded.is_(False))
         if name is not None:
             query = query.where(Metric.name == name)
         return [
@@ -173,3 +178,53 @@ def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: Agent
     if not path.exists():
         raise NotFound(f"the code bundle of job {job_id} is missing from {settings.bundle_dir}")
     return FileResponse(path, media_type="application/gzip")
+
+
+@router.post("/{job_id}/pause", response_model=schemas.Job)
+def pause_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Job:
+    """SIGTERM the workers: `should_stop()` turns true, they checkpoint and exit. `resume` requeues."""
+    with session.begin():
+        job = lifecycle.get_job(session, job_id, lock=True)
+        woken = lifecycle.pause_job(session, job)
+        result = views.job(session, job)
+    publisher.publish(agent_channel(a) for a in woken)
+    return result
+
+
+@router.post("/{job_id}/resume", response_model=schemas.Job)
+def resume_job(job_id: int, request: Request, session: SessionDep, _: UserDep) -> schemas.Job:
+    """Queue a paused job again; it starts from its newest checkpoint."""
+    with session.begin():
+        job = lifecycle.get_job(session, job_id, lock=True)
+        lifecycle.resume_job(session, job)
+        result = views.job(session, job)
+    request.app.state.kick_scheduler()
+    return result
+
+
+@router.get("/{job_id}/checkpoints", response_model=list[schemas.CheckpointView])
+def list_checkpoints(job_id: int, session: SessionDep, _: UserDep) -> list[schemas.CheckpointView]:
+    with session.begin():
+        lifecycle.get_job(session, job_id)
+        rows = session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job_id, Checkpoint.state == checkpoints.COMMITTED)
+            .order_by(Checkpoint.step)
+        )
+        return [views.checkpoint(row) for row in rows]
+
+
+@router.get("/{job_id}/checkpoints/{step}/archive", response_class=StreamingResponse)
+def download_checkpoint(job_id: int, step: int, session: SessionDep, _: UserDep) -> StreamingResponse:
+    """The checkpoint's files as a .tar.gz, read through fsspec from wherever they are stored."""
+    with session.begin():
+        lifecycle.get_job(session, job_id)
+        row = session.scalars(
+            select(Checkpoint).where(
+                Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.state == checkpoints.COMMITTED
+            )
+        ).first()
+        if row is None:
+            raise NotFound(f"job {job_id} has no checkpoint at step {step}; `phalanx checkpoints list {job_id}`")
+        path = row.path
+    return StreamingResponse(checkpoints.archive(path), media_type="application/gzip")

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, text, update
 from scheduler.service import reap_pass, schedule_pass
 from server.app import create_app
 from server.db import SchemaOutOfDate, engine_for, session_scope
-from server.models import Agent, Job, Metric
+from server.models import Agent, ControlPlane, Job, Metric
 from server.settings import Settings
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN, PG_ADMIN
 
@@ -254,8 +254,10 @@ def test_failed_rank_fails_the_job_and_stops_the_gang(client: TestClient, settin
     job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
     assert job["state"] == "FAILED"
     assert "exited with code 3" in job["failure_reason"] and "boom" in job["failure_reason"]
+    assert "no restarts left: max_restarts is 0" in job["failure_reason"]
+    # the survivor is killed at once: the attempt failed and is fenced
     (survivor,) = client.get(f"/api/v1/agents/{node0_agent}/work", headers=AGENT).json()["assignments"]
-    assert survivor["desired"] == "stop"
+    assert survivor["desired"] == "kill"
 
 
 def test_kill_stops_every_node(client: TestClient, settings: Settings) -> None:
@@ -287,18 +289,22 @@ def test_reaper_declares_silent_agents_lost_by_the_database_clock(client: TestCl
     register(client, "a1")
     job_id = submit(client, spec()).json()["id"]
     schedule(settings)
+    hour_ago = func.timezone("utc", func.now()) - text("interval '1 hour'")
     with session_scope(settings.database_url) as session:
         assert reap_pass(session, settings.heartbeat_timeout) == set()
-        session.execute(
-            update(Agent).where(Agent.id == a0).values(last_heartbeat=func.now() - text("interval '1 hour'"))
-        )
+        session.execute(update(Agent).where(Agent.id == a0).values(last_heartbeat=hour_ago))
+    with session_scope(settings.database_url) as session:
+        # the server started less than a timeout ago: agents could not heartbeat before, so no one is lost
+        assert reap_pass(session, settings.heartbeat_timeout) == set()
+        session.execute(update(ControlPlane).values(time=hour_ago))
     with session_scope(settings.database_url) as session:
         woken = reap_pass(session, settings.heartbeat_timeout)
     assert a0 not in woken and len(woken) == 1
     agents = {a["id"]: a["state"] for a in client.get("/api/v1/agents", headers=USER).json()}
     assert agents[a0] == "LOST"
     job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
-    assert job["state"] == "FAILED" and "lost" in job["failure_reason"]
+    # a lost agent is the infrastructure's fault: the job restarts on the separate budget
+    assert job["state"] == "RESTARTING" and "lost" in job["allocations"][-1]["end_reason"]
     # a lost agent that heartbeats is told to register again
     beat = client.post(f"/api/v1/agents/{a0}/heartbeat", headers=AGENT)
     assert beat.status_code == 409 and "register again" in beat.json()["error"]

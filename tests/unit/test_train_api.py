@@ -364,7 +364,7 @@ class ScriptedSink:
         self.up = False
         self.received: list[MetricRecordDict] = []
 
-    def send(self, records: list[MetricRecordDict], timeout: float) -> SendOutcome:
+    def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
         if not self.up:
             return SendOutcome.RETRY
         self.received.extend(records)

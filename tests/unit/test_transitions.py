@@ -32,6 +32,12 @@ EXPECTED_ALLOWED = {
     (S.RESTARTING, S.QUEUED),
     (S.RESTARTING, S.FAILED),
     (S.RESTARTING, S.CANCELLED),
+    (S.QUEUED, S.PAUSED),
+    (S.SCHEDULED, S.PAUSED),
+    (S.RUNNING, S.PAUSED),
+    (S.RESTARTING, S.PAUSED),
+    (S.PAUSED, S.QUEUED),
+    (S.PAUSED, S.CANCELLED),
 }
 PAIRS = list(itertools.product(JobState, JobState))
 

@@ -1,0 +1,198 @@
+"""Checkpoints from inside the training loop.
+
+Writing: the ranks that write (rank 0, or every rank when sharded) save under a temporary name
+on the training thread (the same cost as a plain `torch.save`); a background thread then renames
+the folder into place and commits it to the server. A checkpoint exists for Phalanx only once
+that commit is recorded, so a crash mid-write never leaves a corrupt "latest".
+
+Reading: a new attempt gets its resume point from the agent (PHALANX_RESUME_STEP/_PATH);
+`ctx.latest_checkpoint` exposes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("phalanx.train")
+STATE_FILE = "state.pt"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its step and where its files are (an fsspec URI)."""
+
+    step: int
+    path: str
+
+    @property
+    def local_path(self) -> Path | None:
+        """The folder on this machine, when the storage is a local (or shared) filesystem."""
+        fs, root = fsspec.core.url_to_fs(self.path)
+        return Path(root) if _is_local(fs) else None
+
+    def load(self, name: str = STATE_FILE, **torch_load_kwargs: Any) -> Any:
+        """torch.load one file of the checkpoint (the state dict `save_checkpoint` wrote by default)."""
+        torch_load_kwargs.setdefault("map_location", "cpu")
+        with fsspec.open(f"{self.path}/{name}", "rb") as handle:
+            return torch.load(handle, **torch_load_kwargs)
+
+
+def _is_local(fs: Any) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "file" in protocols or "local" in protocols
+
+
+def resume_point(env: Mapping[str, str]) -> Checkpoint | None:
+    step, path = env.get("PHALANX_RESUME_STEP"), env.get("PHALANX_RESUME_PATH")
+    if not step or not path:
+        return None
+    return Checkpoint(int(step), path)
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: str
+    final: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class CheckpointWriter:
+    """Writes this rank's part, and (rank 0) commits in the background. One per process."""
+
+    def __init__(
+        self,
+        root: str,
+        attempt: int,
+        rank: int,
+        world_size: int,
+        commit: Callable[[dict[str, Any]], bool] | None,
+        on_superseded: Callable[[], None],
+    ) -> None:
+        self._root = root.rstrip("/")
+        self._attempt = attempt
+        self._rank = rank
+        self._world_size = world_size
+        self._commit = commit
+        self._on_superseded = on_superseded
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self.committed: list[Checkpoint] = []
+
+    def save(self, state: Any, step: int, metrics: Mapping[str, Any] | None, sharded: bool) -> None:
+        name = f"step-{step:012d}-a{self._attempt}"
+        pending = _Pending(step, f"{self._root}/{name}.tmp", f"{self._root}/{name}", _floats(metrics or {}))
+        writes = sharded or self._rank == 0
+        if writes:
+            fs, tmp = fsspec.core.url_to_fs(pending.tmp)
+            fs.makedirs(tmp, exist_ok=True)
+            if isinstance(state, (str, os.PathLike)):
+                source = Path(state)
+                if not source.is_dir():
+                    raise ValueError(f"checkpoint={state!r} is neither a state dict nor a folder")
+                target = f"{tmp}/rank-{self._rank}" if sharded else tmp
+                fs.put(str(source), target, recursive=True)
+            else:
+                file_name = f"rank-{self._rank}.pt" if sharded else STATE_FILE
+                if _is_local(fs):  # torch's own file writer: as fast as a plain torch.save
+                    torch.save(state, os.path.join(tmp, file_name))
+                else:
+                    with fs.open(f"{tmp}/{file_name}", "wb") as handle:
+                        torch.save(state, handle)
+        if sharded and self._world_size > 1 and dist.is_initialized():
+            dist.barrier()  # every shard is on disk before rank 0 renames the folder
+        if self._rank == 0:
+            self._start()
+            self._idle.clear()
+            self._queue.put(pending)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="phalanx-checkpoints", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while (pending := self._queue.get()) is not None:
+            try:
+                self._finish(pending)
+            except Exception:  # a failed commit must not kill training; the previous one stays latest
+                logger.exception("phalanx: checkpoint of step %d was not committed", pending.step)
+            if self._queue.empty():
+                self._idle.set()
+        self._idle.set()
+
+    def _finish(self, pending: _Pending) -> None:
+        fs, tmp = fsspec.core.url_to_fs(pending.tmp)
+        _, final = fsspec.core.url_to_fs(pending.final)
+        if fs.exists(final):  # the same step saved twice in one attempt: the newer files win
+            fs.rm(final, recursive=True)
+        fs.mv(tmp, final, recursive=True)  # one rename on a filesystem: atomic
+        size = int(fs.du(final, total=True))
+        checkpoint = Checkpoint(pending.step, pending.final)
+        if self._commit is None:  # outside Phalanx: the folder is the record
+            self.committed.append(checkpoint)
+            return
+        body = {"step": pending.step, "path": pending.final, "size_bytes": size, "metrics": pending.metrics}
+        if self._commit(body):
+            self.committed.append(checkpoint)
+        else:
+            self._on_superseded()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued checkpoint is committed (or failed); False on timeout."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+
+def _floats(values: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in values.items():
+        try:
+            number = float(value.item() if isinstance(value, torch.Tensor) else value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if number == number and abs(number) != float("inf"):
+            out[key] = number
+    return out
+
+
+def http_committer(url: str, allocation_id: int, token: str | None) -> Callable[[dict[str, Any]], bool]:
+    """POST the commit; True when recorded, False when this allocation was superseded (409)."""
+    import httpx
+    from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    client = httpx.Client(base_url=url, headers=headers, timeout=30)
+
+    def transient(exc: BaseException) -> bool:
+        if isinstance(exc, httpx.HTTPStatusError):
+            return exc.response.status_code >= 500
+        return isinstance(exc, httpx.TransportError)
+
+    @retry(retry=retry_if_exception(transient), wait=wait_exponential(0.2, max=5), stop=stop_after_delay(600))
+    def commit(body: dict[str, Any]) -> bool:
+        response = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body)
+        if response.status_code == 409:
+            logger.error("phalanx: checkpoint refused, this attempt was superseded: %s", response.text[:300])
+            return False
+        response.raise_for_status()
+        return True
+
+    return commit

@@ -1,0 +1,149 @@
+"""The checkpoint registry: commit, what a new attempt resumes from, retention.
+
+Contract: a row exists only for a checkpoint whose files are complete (workers write under a
+temporary name and rename before they commit). Retention marks rows DELETING after the newer
+checkpoint committed; `delete_marked` removes a row only after its files are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import fsspec
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from phalanx.schemas import CheckpointCommit, CheckpointPolicy, JobSpec
+from server.errors import Conflict, Unprocessable
+from server.models import Allocation, Checkpoint, Job, Metric
+
+COMMITTED, DELETING = "COMMITTED", "DELETING"
+log = logging.getLogger(__name__)
+
+
+def job_root(storage: str, job_id: int) -> str:
+    return f"{storage.rstrip('/')}/job-{job_id}"
+
+
+def storage_for(job: Job, default_uri: str) -> str:
+    spec = JobSpec.model_validate(job.spec)
+    return job_root(spec.checkpoint.storage or default_uri, job.id)
+
+
+def latest_checkpoint(session: Session, job_id: int) -> Checkpoint | None:
+    return session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED)
+        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        .limit(1)
+    ).first()
+
+
+def supersede_redone_steps(session: Session, job_id: int, new_allocation_id: int, resume_step: int | None) -> None:
+    """The new attempt re-does every step after its resume point: mark older points for them."""
+    query = update(Metric).where(
+        Metric.job_id == job_id, Metric.allocation_id != new_allocation_id, Metric.superseded.is_(False)
+    )
+    if resume_step is not None:
+        query = query.where(Metric.step > resume_step)
+    session.execute(query.values(superseded=True))
+
+
+def to_keep(checkpoints: list[Checkpoint], policy: CheckpointPolicy) -> set[int]:
+    """Ids of the checkpoints retention keeps: the newest `keep_last`, plus the best `keep_best`
+    by `policy.metric` among those that reported it. Pure."""
+    newest = sorted(checkpoints, key=lambda c: (c.step, c.id), reverse=True)[: policy.keep_last]
+    keep = {c.id for c in newest}
+    metric = policy.metric
+    if policy.keep_best and metric:
+        ranked = [c for c in checkpoints if metric in c.metrics]
+        ranked.sort(key=lambda c: (c.metrics[metric], -c.step), reverse=policy.mode == "max")
+        keep |= {c.id for c in ranked[: policy.keep_best]}
+    return keep
+
+
+def commit(session: Session, allocation: Allocation, job: Job, body: CheckpointCommit, default_uri: str) -> Checkpoint:
+    """Record a checkpoint whose files are in place, then mark what retention drops."""
+    if allocation.fenced or not allocation.active:
+        raise Conflict(f"allocation {allocation.id} is no longer current; its checkpoint is not recorded")
+    root = storage_for(job, default_uri)
+    if not body.path.startswith(root + "/"):
+        raise Unprocessable(f"checkpoint path {body.path!r} is outside this job's storage {root!r}")
+    row = Checkpoint(
+        job_id=job.id,
+        allocation_id=allocation.id,
+        attempt=allocation.attempt,
+        step=body.step,
+        metrics=body.metrics,
+        size_bytes=body.size_bytes,
+        path=body.path,
+        state=COMMITTED,
+    )
+    session.add(row)
+    session.flush()
+    committed = list(
+        session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.state == COMMITTED))
+    )
+    keep = to_keep(committed, JobSpec.model_validate(job.spec).checkpoint)
+    for checkpoint in committed:
+        if checkpoint.id not in keep:
+            checkpoint.state = DELETING
+    session.flush()
+    return row
+
+
+def jobs_with_deletions(session: Session) -> list[int]:
+    return list(session.scalars(select(Checkpoint.job_id).where(Checkpoint.state == DELETING).distinct()))
+
+
+def delete_marked(session: Session, job_id: int) -> int:
+    """Delete the files of DELETING checkpoints, then their rows. Idempotent; returns rows removed."""
+    removed = 0
+    for checkpoint in session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state == DELETING)
+        .with_for_update(skip_locked=True)
+    ):
+        fs, path = fsspec.core.url_to_fs(checkpoint.path)
+        try:
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        except OSError as exc:  # keep the row: it is retried on the next pass
+            log.warning("could not delete checkpoint %s: %s", checkpoint.path, exc)
+            continue
+        session.delete(checkpoint)
+        removed += 1
+    session.flush()
+    return removed
+
+
+def archive(path: str) -> Iterator[bytes]:
+    """Stream a checkpoint folder as .tar.gz without holding it in memory."""
+    import tarfile
+    import threading
+    from queue import Queue
+
+    chunks: Queue[bytes | None] = Queue(maxsize=8)
+
+    class _Pipe:
+        def write(self, data: bytes) -> int:
+            chunks.put(bytes(data))
+            return len(data)
+
+    def produce() -> None:
+        fs, root = fsspec.core.url_to_fs(path)
+        try:
+            with tarfile.open(fileobj=_Pipe(), mode="w|gz") as tar:  # type: ignore[call-overload]
+                for name in sorted(fs.find(root)):
+                    relative = name[len(root) :].lstrip("/")
+                    info = tarfile.TarInfo(relative)
+                    info.size = fs.size(name)
+                    with fs.open(name, "rb") as handle:
+                        tar.addfile(info, handle)
+        finally:
+            chunks.put(None)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (chunk := chunks.get()) is not None:
+        yield chunk

@@ -1,0 +1,239 @@
+"""Restarts, fencing, checkpoints and retention through the REST API on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, text, update
+
+from scheduler.service import hang_pass, schedule_pass
+from server.app import create_app
+from server.checkpoints import delete_marked
+from server.db import session_scope
+from server.models import Allocation, Checkpoint, Metric
+from server.settings import Settings
+from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+
+pytestmark = pytest.mark.integration
+USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, enqueue=lambda *_: None)) as test_client:
+        yield test_client
+
+
+def setup_job(client: TestClient, settings: Settings, agents: int = 3, **spec: Any) -> int:
+    for i in range(agents):
+        body = {"name": f"a{i}", "address": "127.0.0.1", "cpu_slots": 1}
+        assert client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+    full = {"name": "ft", "entrypoint": "python train.py", "resources": {"nodes": 2}, **spec}
+    response = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(full))}, headers=USER)
+    assert response.status_code == 201, response.text
+    job_id: int = response.json()["id"]
+    schedule(settings)
+    return job_id
+
+
+def schedule(settings: Settings) -> None:
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+
+
+def job(client: TestClient, job_id: int) -> dict[str, Any]:
+    response = client.get(f"/api/v1/jobs/{job_id}", headers=USER)
+    assert response.status_code == 200
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def start_all(client: TestClient, job_id: int) -> dict[str, Any]:
+    allocation = job(client, job_id)["allocations"][-1]
+    for node in allocation["nodes"]:
+        url = f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/started"
+        assert client.post(url, json={"node_rank": node["node_rank"]}, headers=AGENT).status_code == 204
+    return allocation
+
+
+def exit_node(client: TestClient, allocation: dict[str, Any], rank: int, code: int, reason: str = "") -> None:
+    node = next(n for n in allocation["nodes"] if n["node_rank"] == rank)
+    url = f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/exit"
+    body = {"node_rank": rank, "exit_code": code, "reason": reason}
+    assert client.post(url, json=body, headers=AGENT).status_code == 204
+
+
+def commit(client: TestClient, allocation_id: int, root: str, step: int, **metrics: float) -> Any:
+    body = {"step": step, "path": f"{root}/step-{step}", "size_bytes": 10, "metrics": metrics}
+    return client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT)
+
+
+def metrics(client: TestClient, allocation_id: int, steps: range, batch_id: str | None = None) -> Any:
+    records = [{"rank": 0, "step": s, "time": time.time(), "values": {"loss": float(s)}} for s in steps]
+    body: dict[str, Any] = {"records": records}
+    if batch_id:
+        body["batch_id"] = batch_id
+    return client.post(f"/api/v1/allocations/{allocation_id}/metrics", json=body, headers=AGENT)
+
+
+def root_of(settings: Settings, job_id: int) -> str:
+    return f"{settings.checkpoint_uri}/job-{job_id}"
+
+
+def test_crash_restarts_from_the_newest_checkpoint_and_fences_the_old_attempt(
+    client: TestClient, settings: Settings
+) -> None:
+    job_id = setup_job(client, settings, max_restarts=1)
+    first = start_all(client, job_id)
+    root = root_of(settings, job_id)
+    assert commit(client, first["id"], root, 10, val_loss=0.5).status_code == 201
+    assert metrics(client, first["id"], range(1, 16)).status_code == 204
+
+    exit_node(client, first, 1, -9, "rank 1 exited with code -9 (SIGKILL)")
+    state = job(client, job_id)
+    assert state["state"] == "RESTARTING" and state["restarts_used"] == 1
+    assert "restart 1 of 1 (max_restarts)" in state["events"][-1]["reason"]
+    # fenced at once: a zombie of attempt 1 writes nothing more
+    assert metrics(client, first["id"], range(16, 18)).status_code == 409
+    assert commit(client, first["id"], root, 20).status_code == 409
+    survivor = next(n for n in first["nodes"] if n["node_rank"] == 0)
+    work = client.get(f"/api/v1/agents/{survivor['agent_id']}/work", headers=AGENT).json()
+    assert [a["desired"] for a in work["assignments"]] == ["kill"]
+
+    exit_node(client, first, 0, -9)
+    assert job(client, job_id)["state"] == "QUEUED"
+    schedule(settings)
+    state = job(client, job_id)
+    second = state["allocations"][-1]
+    assert state["state"] == "SCHEDULED" and second["attempt"] == 2 and second["resume_step"] == 10
+    assert "resuming from the checkpoint of step 10" in state["events"][-1]["reason"]
+    assignment = client.get(f"/api/v1/agents/{second['nodes'][0]['agent_id']}/work", headers=AGENT).json()
+    (assigned,) = [a for a in assignment["assignments"] if a["allocation_id"] == second["id"]]
+    assert assigned["resume"] == {"step": 10, "path": f"{root}/step-10"}
+    assert assigned["checkpoint_root"] == root
+
+    # steps 11..15 of attempt 1 are re-done by attempt 2: reads show each step once
+    start_all(client, job_id)
+    assert metrics(client, second["id"], range(11, 13)).status_code == 204
+    points = client.get(f"/api/v1/jobs/{job_id}/metrics", headers=USER).json()
+    assert sorted(p["step"] for p in points) == list(range(1, 13))
+    everything = client.get(f"/api/v1/jobs/{job_id}/metrics", params={"all_attempts": True}, headers=USER).json()
+    assert len(everything) == 15 + 2
+
+    # the second crash exhausts max_restarts
+    exit_node(client, second, 0, 1, "Traceback: boom")
+    final = job(client, job_id)
+    assert final["state"] == "FAILED" and "no restarts left" in final["failure_reason"]
+
+
+def test_retried_metric_batch_is_stored_once(client: TestClient, settings: Settings) -> None:
+    job_id = setup_job(client, settings)
+    allocation = start_all(client, job_id)
+    for _ in range(3):
+        assert metrics(client, allocation["id"], range(5), batch_id="stream-0").status_code == 204
+    with session_scope(settings.database_url) as session:
+        assert session.execute(select(func.count()).select_from(Metric)).scalar_one() == 5
+
+
+def test_lost_agent_restarts_on_the_infrastructure_budget(client: TestClient, settings: Settings) -> None:
+    job_id = setup_job(client, settings, max_restarts=0)
+    allocation = start_all(client, job_id)
+    node = allocation["nodes"][1]
+    from scheduler.service import reap_pass
+    from server.models import Agent, ControlPlane
+
+    hour_ago = func.timezone("utc", func.now()) - text("interval '1 hour'")
+    with session_scope(settings.database_url) as session:
+        session.execute(update(ControlPlane).values(time=hour_ago))
+        session.execute(update(Agent).where(Agent.id == node["agent_id"]).values(last_heartbeat=hour_ago))
+    with session_scope(settings.database_url) as session:
+        reap_pass(session, settings.heartbeat_timeout)
+    state = job(client, job_id)
+    assert state["state"] == "RESTARTING"
+    assert state["restarts_used"] == 0 and state["infra_restarts_used"] == 1
+    assert "lost" in state["allocations"][-1]["end_reason"]
+    exit_node(client, allocation, 1 - node["node_rank"], -9)
+    schedule(settings)
+    again = job(client, job_id)
+    assert again["state"] == "SCHEDULED"
+    assert node["agent_id"] not in {n["agent_id"] for n in again["allocations"][-1]["nodes"]}
+
+
+def test_hang_restarts_the_attempt(client: TestClient, settings: Settings) -> None:
+    job_id = setup_job(client, settings, max_restarts=1, hang_timeout=30)
+    allocation = start_all(client, job_id)
+    assert metrics(client, allocation["id"], range(3)).status_code == 204
+    with session_scope(settings.database_url) as session:
+        assert hang_pass(session) == set()
+        old = func.timezone("utc", func.now()) - text("interval '1 minute'")
+        session.execute(update(Allocation).values(last_progress_at=old))
+    with session_scope(settings.database_url) as session:
+        assert hang_pass(session)
+    state = job(client, job_id)
+    assert state["state"] == "RESTARTING" and "hang" in state["allocations"][-1]["end_reason"]
+
+
+def test_pause_drain_and_resume(client: TestClient, settings: Settings) -> None:
+    job_id = setup_job(client, settings, agents=2)
+    allocation = start_all(client, job_id)
+    paused = client.post(f"/api/v1/jobs/{job_id}/pause", headers=USER)
+    assert paused.status_code == 200 and paused.json()["state"] == "PAUSED"
+    # graceful: not fenced, so the checkpoint written on the way out still commits
+    assert commit(client, allocation["id"], root_of(settings, job_id), 7).status_code == 201
+    node = allocation["nodes"][0]
+    work = client.get(f"/api/v1/agents/{node['agent_id']}/work", headers=AGENT).json()
+    assert [a["desired"] for a in work["assignments"]] == ["stop"]
+    for n in allocation["nodes"]:
+        exit_node(client, allocation, n["node_rank"], 143)
+    assert job(client, job_id)["state"] == "PAUSED"
+    assert client.post(f"/api/v1/jobs/{job_id}/pause", headers=USER).status_code == 409
+    assert client.post(f"/api/v1/jobs/{job_id}/resume", headers=USER).json()["state"] == "QUEUED"
+    schedule(settings)
+    second = start_all(client, job_id)
+    assert second["attempt"] == 2 and second["resume_step"] == 7
+
+    drained = client.post(f"/api/v1/agents/{node['agent_id']}/drain", headers=USER)
+    assert drained.status_code == 200 and drained.json()["state"] == "DRAINING"
+    state = job(client, job_id)
+    assert state["state"] == "RESTARTING" and state["infra_restarts_used"] == 1
+    assert "draining" in state["allocations"][-1]["end_reason"]
+    assert client.post("/api/v1/agents/999/drain", headers=USER).status_code == 404
+
+
+def test_retention_keeps_last_and_best_and_deletes_files_first(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    policy = {"keep_last": 2, "keep_best": 1, "metric": "val_loss", "mode": "min"}
+    job_id = setup_job(client, settings, checkpoint=policy)
+    allocation = start_all(client, job_id)
+    root = root_of(settings, job_id)
+    local_root = Path(root.removeprefix("file://"))
+    losses = {1: 0.9, 2: 0.2, 3: 0.5, 4: 0.7, 5: 0.6}
+    for step, loss in losses.items():
+        (local_root / f"step-{step}").mkdir(parents=True)
+        (local_root / f"step-{step}" / "state.pt").write_bytes(b"x" * 10)
+        assert commit(client, allocation["id"], root, step, val_loss=loss).status_code == 201
+    with session_scope(settings.database_url) as session:
+        removed = delete_marked(session, job_id)
+    assert removed == 2
+    listed = client.get(f"/api/v1/jobs/{job_id}/checkpoints", headers=USER).json()
+    assert [c["step"] for c in listed] == [2, 4, 5]  # best val_loss (2) and the newest two
+    assert sorted(p.name for p in local_root.iterdir()) == ["step-2", "step-4", "step-5"]
+    with session_scope(settings.database_url) as session:
+        assert session.execute(select(func.count()).select_from(Checkpoint)).scalar_one() == 3
+    outside = client.post(
+        f"/api/v1/allocations/{allocation['id']}/checkpoints",
+        json={"step": 9, "path": "file:///etc/passwd", "size_bytes": 1},
+        headers=AGENT,
+    )
+    assert outside.status_code == 422 and "outside this job's storage" in outside.json()["error"]
+    archive = client.get(f"/api/v1/jobs/{job_id}/checkpoints/5/archive", headers=USER)
+    assert archive.status_code == 200 and archive.content[:2] == b"\x1f\x8b"
+    assert client.get(f"/api/v1/jobs/{job_id}/checkpoints/1/archive", headers=USER).status_code == 404
