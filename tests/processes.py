@@ -151,9 +151,10 @@ def processes_of_allocation(allocation_id: int) -> list[int]:
     return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation_id))
 
 
-def processes_with_env(name: str, value: str) -> list[int]:
-    """PIDs of live processes whose environment has name=value (zombies have no environment)."""
-    marker = f"{name}={value}".encode()
+def processes_with_env(name: str, value: str, **more: str) -> list[int]:
+    """PIDs of live processes whose environment has name=value (and every `more` pair too);
+    zombies have no environment."""
+    markers = [f"{k}={v}".encode() for k, v in {name: value, **more}.items()]
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -162,6 +163,7 @@ def processes_with_env(name: str, value: str) -> list[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if marker in environ.split(b"\0"):
+        variables = set(environ.split(b"\0"))
+        if all(marker in variables for marker in markers):
             found.append(int(entry.name))
     return found

@@ -1,0 +1,86 @@
+"""Fault tolerance with real processes and real torch.distributed: exact resume after a SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.client import Client, load_job_file
+from phalanx.schemas import JobSpec, JobState
+from tests.conftest import call_failed
+from tests.processes import REPO, Stack, processes_of_allocation, processes_with_env, wait_for
+
+pytestmark = pytest.mark.e2e
+DIGITS = REPO / "examples" / "digits" / "job.yaml"
+EPOCHS = 60  # long enough (several seconds) to kill a rank between two checkpoints
+
+
+@pytest.fixture
+def stack(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    running = Stack(tmp_path, clean_db, clean_redis)
+    try:
+        running.start_server()
+        running.start_scheduler()
+        running.start_agent("node-a")
+        running.start_agent("node-b")
+        running.wait_agents(2)
+        yield running
+        if call_failed(request):
+            print(running.dump())
+    finally:
+        running.close()
+
+
+def checksum(client: Client, job_id: int) -> str:
+    lines = [line.line for line in client.logs(job_id, rank=0, limit=10_000)]
+    sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
+    assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
+    return sums[-1]
+
+
+def digits_spec() -> tuple[JobSpec, Path]:
+    spec, workdir = load_job_file(DIGITS)
+    return spec.model_copy(update={"entrypoint": f"python train.py --epochs {EPOCHS}", "max_restarts": 1}), workdir
+
+
+def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
+    spec, workdir = digits_spec()
+    with stack.client() as client:
+        reference = client.submit(spec, workdir)
+        done = client.wait(reference.id, timeout=300)
+        assert done.state is JobState.COMPLETED and done.attempts == 1
+        expected = checksum(client, reference.id)
+
+        job = client.submit(spec, workdir)
+        wait_for(lambda: client.checkpoints(job.id), 120, "the first committed checkpoint")
+        allocation = client.get_job(job.id).allocations[0].id
+        (rank1,) = wait_for(
+            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1"), 30, "rank 1's process"
+        )
+        os.kill(rank1, signal.SIGKILL)
+
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.attempts == 2 and final.restarts_used == 1
+        first, second = final.allocations
+        assert first.end_reason and "node" in first.end_reason and second.resume_step is not None
+        assert any(e.to_state is JobState.RESTARTING for e in final.events)
+        assert checksum(client, job.id) == expected
+
+        # every step is shown once: the re-done steps of the failed attempt are superseded
+        steps = [p.step for p in client.metrics(job.id, name="loss") if p.rank == 0]
+        assert len(steps) == len(set(steps)) and max(steps) == len(steps)
+        # retention: keep_last 2 + keep_best 1 of val_accuracy; files and rows agree
+        checkpoints = client.checkpoints(job.id)
+        assert 2 <= len(checkpoints) <= 3
+    assert processes_of_allocation(first.id) == [] and processes_of_allocation(second.id) == []
+    storage = Path(checkpoints[0].path.removeprefix("file://")).parent
+    wait_for(
+        lambda: sorted(p.name for p in storage.iterdir()) == sorted(Path(c.path).name for c in checkpoints),
+        30,
+        "retention to delete the dropped checkpoints' files",
+    )
