@@ -84,3 +84,32 @@ def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
         30,
         "retention to delete the dropped checkpoints' files",
     )
+
+
+SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
+
+
+def test_control_plane_killed_mid_run_loses_nothing(stack: Stack) -> None:
+    """kill -9 the server and the scheduler while the job trains; agents and workers buffer and
+    retry, and after the restart the job completes with every step's metrics present once."""
+    spec, workdir = load_job_file(SCRIPTED)
+    steps = 120
+    spec = spec.model_copy(update={"hyperparameters": {"steps": steps, "step_seconds": 0.05}})
+    with stack.client() as client:
+        job = client.submit(spec, workdir)
+        wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 10, 120, "ten steps")
+    stack.stop("server", signal.SIGKILL)
+    stack.stop("scheduler", signal.SIGKILL)
+    with stack.client() as client:
+        assert not client.healthy()
+    allocation = processes_with_env("PHALANX_JOB_ID", str(job.id), RANK="0")
+    assert allocation, "the workers must keep training while the control plane is down"
+    stack.start_server()
+    stack.start_scheduler()
+    with stack.client() as client:
+        final = client.wait(job.id, timeout=180)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.attempts == 1 and final.restarts_used == 0 and final.infra_restarts_used == 0
+        points = client.metrics(job.id, name="step_value")
+    for rank in (0, 1):
+        assert sorted(p.step for p in points if p.rank == rank) == list(range(steps)), f"rank {rank}"
