@@ -8,6 +8,8 @@
     hang_rank     this rank sleeps forever at hang_step, deaf to SIGTERM like a rank stuck in
     hang_step     a collective: its peers notice at the process-group timeout (default: none)
     report        report {"step_value": step} every step (default true)
+    checkpoint_every  save a checkpoint every N steps (default: never); a restarted attempt
+    checkpoint_mb     resumes after the newest one. Its size in MiB (default 1).
 
 Every step prints `step S rank R` and does one tiny all_reduce, so the ranks move in lock step.
 That all_reduce also carries should_stop() (SIGTERM, or a superseded attempt): all ranks then
@@ -37,13 +39,21 @@ def main() -> int:
     hang_rank = hp.get("hang_rank")
     hang_step = int(hp.get("hang_step", 0))
     report = bool(hp.get("report", True))
+    checkpoint_every = int(hp.get("checkpoint_every") or 0)
+    checkpoint_mb = float(hp.get("checkpoint_mb", 1))
+    start = 0
+    if ctx.latest_checkpoint is not None:
+        state = ctx.latest_checkpoint.load()
+        assert state["blob"].numel() == int(checkpoint_mb * 2**18), "a checkpoint came back incomplete"
+        start = state["step"] + 1
+        print(f"rank {ctx.rank} resumed from the checkpoint of step {state['step']}", flush=True)
     print(
         f"workload rank {ctx.rank}/{ctx.world_size} job {ctx.job_id} allocation {ctx.allocation_id} "
         f"attempt {ctx.attempt} hparams {hp}",
         flush=True,
     )
 
-    for step in range(steps):
+    for step in range(start, steps):
         if crash_rank is not None and ctx.rank == int(crash_rank) and step == crash_step:
             print(f"rank {ctx.rank} crashing at step {step} with exit code {exit_code}", flush=True)
             os._exit(exit_code)  # like a real crash: no cleanup, no metrics flush
@@ -63,6 +73,9 @@ def main() -> int:
         print(f"step {step} rank {ctx.rank}", flush=True)
         if report:
             ctx.report({"step_value": step}, step=step)
+        if checkpoint_every and step % checkpoint_every == 0:
+            blob = torch.full((int(checkpoint_mb * 2**18),), float(step))  # float32: 4 bytes each
+            ctx.save_checkpoint({"step": step, "blob": blob}, step=step)
         time.sleep(step_seconds)
 
     ctx.finish()

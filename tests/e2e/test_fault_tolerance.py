@@ -113,3 +113,32 @@ def test_control_plane_killed_mid_run_loses_nothing(stack: Stack) -> None:
         points = client.metrics(job.id, name="step_value")
     for rank in (0, 1):
         assert sorted(p.step for p in points if p.rank == rank) == list(range(steps)), f"rank {rank}"
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_latest_loadable(stack: Stack) -> None:
+    """SIGKILL rank 0 while it writes a large checkpoint: the half-written folder never becomes a
+    checkpoint, and the restarted attempt loads the previous, complete one."""
+    spec, workdir = load_job_file(SCRIPTED)
+    hparams = {"steps": 400, "step_seconds": 0.02, "checkpoint_every": 5, "checkpoint_mb": 96}
+    spec = spec.model_copy(update={"hyperparameters": hparams, "max_restarts": 1})
+    with stack.client() as client:
+        job = client.submit(spec, workdir)
+        wait_for(lambda: client.checkpoints(job.id), 120, "a committed checkpoint")
+        allocation = client.get_job(job.id).allocations[0].id
+        root = Path(client.checkpoints(job.id)[0].path.removeprefix("file://")).parent
+
+        def writing() -> list[int]:
+            # rank 0 is inside torch.save when a temporary folder holds a partial state file
+            if not any(p.name.endswith(".tmp") and any(p.iterdir()) for p in root.iterdir()):
+                return []
+            return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="0")
+
+        (rank0,) = wait_for(writing, 60, "rank 0 in the middle of a checkpoint write", interval=0.01)
+        os.kill(rank0, signal.SIGKILL)
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.attempts == 2
+        resumed = [line.line for line in client.logs(job.id, rank=0, limit=10_000) if "resumed from" in line.line]
+        assert resumed, "the second attempt did not resume from a checkpoint"
+        for checkpoint in client.checkpoints(job.id):
+            assert not checkpoint.path.endswith(".tmp")
