@@ -180,8 +180,11 @@ class Client:
             params["rank"] = rank
         return self._list(LogRecord, f"/jobs/{job_id}/logs", params=params)
 
-    def metrics(self, job_id: int, name: str | None = None, limit: int = 100_000) -> list[MetricPoint]:
-        params: dict[str, Any] = {"limit": limit}
+    def metrics(
+        self, job_id: int, name: str | None = None, limit: int = 100_000, all_attempts: bool = False
+    ) -> list[MetricPoint]:
+        """Metric points, each step once; `all_attempts` adds the steps a restarted attempt re-did."""
+        params: dict[str, Any] = {"limit": limit, "all_attempts": all_attempts}
         if name:
             params["name"] = name
         return self._list(MetricPoint, f"/jobs/{job_id}/metrics", params=params)

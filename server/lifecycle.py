@@ -109,14 +109,23 @@ def _stop_nodes(allocation: Allocation, how: str) -> set[int]:
 
 
 def _end_allocation(session: Session, job: Job, allocation: Allocation) -> None:
-    """Once every node exited: close the allocation, and queue a restarting job again."""
+    """Once every node exited: close the allocation and settle what its failure costs."""
     if not allocation.active or any(n.state != NodeState.EXITED.value for n in allocation.nodes):
         return
     allocation.active = False
     allocation.fenced = True
     allocation.ended_at = session.execute(select(utcnow())).scalar_one()
-    if job.state == JobState.RESTARTING.value:
-        transition(session, job, JobState.QUEUED, "the failed attempt's workers are gone; placing a new attempt")
+    if job.state == JobState.RESTARTING.value and allocation.end_reason is not None:
+        failure = Failure(allocation.end_budget or "job", allocation.end_reason)
+        decision = decide_restart(job, failure)
+        if not decision.restart:
+            transition(session, job, JobState.FAILED, decision.reason)
+            return
+        if failure.budget == "infra":
+            job.infra_restarts_used += 1
+        else:
+            job.restarts_used += 1
+        transition(session, job, JobState.QUEUED, decision.reason)
         job.wait_reason = "waiting for the scheduler's next pass"
 
 
@@ -144,27 +153,29 @@ def decide_restart(job: Job, failure: Failure) -> Decision:
     else:
         used, limit, name = job.restarts_used, spec.max_restarts, "max_restarts"
     if used < limit:
-        return Decision(True, f"restart {used + 1} of {limit} ({name}): {failure.reason}")
+        return Decision(True, f"restart {used + 1} of {limit} ({name}) after: {failure.reason}")
     return Decision(False, f"{failure.reason} (no restarts left: {name} is {limit})")
 
 
 def end_attempt(session: Session, job: Job, allocation: Allocation, failure: Failure) -> set[int]:
-    """Act on a failure: stop the gang, and restart the job within its budget or fail it."""
-    if JobState(job.state).is_terminal or allocation.end_reason is not None:
-        return set()  # the attempt is already ending; the first cause is the one recorded
-    allocation.end_reason = failure.reason
+    """Act on a failure: stop the gang now; the job restarts or fails once every node is gone.
+
+    The budget is charged only then, because the first exit is often collateral: when an agent
+    dies, the ranks of the other nodes fail on a reset connection seconds before the reaper can
+    declare that agent lost. A lost agent found while the attempt winds down makes the whole
+    attempt the infrastructure's failure."""
+    if JobState(job.state).is_terminal:
+        return set()
+    if allocation.end_reason is not None:
+        if failure.budget == "infra" and allocation.end_budget != "infra":
+            allocation.end_reason, allocation.end_budget = failure.reason, "infra"
+        return set()
+    allocation.end_reason, allocation.end_budget = failure.reason, failure.budget
     if not failure.graceful:
         allocation.fenced = True  # a zombie of this attempt may no longer write metrics or checkpoints
     woken = _stop_nodes(allocation, "stop" if failure.graceful else "kill")
-    decision = decide_restart(job, failure)
-    if decision.restart:
-        if failure.budget == "infra":
-            job.infra_restarts_used += 1
-        else:
-            job.restarts_used += 1
-        transition(session, job, JobState.RESTARTING, decision.reason)
-    else:
-        transition(session, job, JobState.FAILED, decision.reason)
+    if job.state in (JobState.RUNNING.value, JobState.SCHEDULED.value):
+        transition(session, job, JobState.RESTARTING, f"attempt {allocation.attempt} is ending: {failure.reason}")
     _end_allocation(session, job, allocation)
     return woken
 

@@ -159,6 +159,7 @@ class Allocation(Base):
     active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
     fenced: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     end_reason: Mapped[str | None] = mapped_column(Text)
+    end_budget: Mapped[str | None] = mapped_column(String(8))  # whose failure: "job" | "infra"
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
     last_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())

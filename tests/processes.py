@@ -64,15 +64,19 @@ class Stack:
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, *args: str, netns: str | None = None) -> subprocess.Popen[bytes]:
         out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen([*PHALANX, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        proc = subprocess.Popen([*prefix, *PHALANX, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         self.procs[name] = proc
         return proc
 
-    def start_server(self) -> None:
-        self.spawn("server", "server", "--port", str(self.port))
+    def start_server(self, host: str | None = None) -> None:
+        """Listen on loopback, or on `host` (then the stack's URL points there)."""
+        if host is not None:
+            self.url = f"http://{host}:{self.port}"
+        self.spawn("server", "server", "--port", str(self.port), *(["--host", host] if host else []))
         probe = Client(self.url, "")
         try:
             wait_for(lambda: probe.healthy() or self._died("server"), 60, "the server to answer /healthz")
@@ -82,7 +86,10 @@ class Stack:
     def start_scheduler(self, name: str = "scheduler") -> None:
         self.spawn(name, "scheduler")
 
-    def start_agent(self, name: str, cpu_slots: int = 1, kill_grace: float = 5.0) -> None:
+    def start_agent(
+        self, name: str, cpu_slots: int = 1, kill_grace: float = 5.0, address: str = "127.0.0.1", netns: str | None = None
+    ) -> None:
+        """An agent on loopback, or inside network namespace `netns` advertising `address`."""
         self.spawn(
             name,
             "agent",
@@ -91,13 +98,14 @@ class Stack:
             "--name",
             name,
             "--address",
-            "127.0.0.1",
+            address,
             "--cpu-slots",
             str(cpu_slots),
             "--kill-grace",
             str(kill_grace),
             "--work-dir",
             str(self.tmp / "agents" / name),
+            netns=netns,
         )
 
     def wait_agents(self, count: int) -> None:

@@ -251,13 +251,20 @@ def test_failed_rank_fails_the_job_and_stops_the_gang(client: TestClient, settin
         headers=AGENT,
     )
     assert response.status_code == 204
+    # the survivor is killed at once: the attempt failed and is fenced
+    (survivor,) = client.get(f"/api/v1/agents/{node0_agent}/work", headers=AGENT).json()["assignments"]
+    assert survivor["desired"] == "kill"
+    # what the failure costs is settled once every node is gone (the first exit may be collateral)
+    assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "RESTARTING"
+    response = client.post(
+        f"/api/v1/agents/{node0_agent}/allocations/{allocation['id']}/exit",
+        json={"node_rank": 0, "exit_code": -9},
+        headers=AGENT,
+    )
     job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
     assert job["state"] == "FAILED"
     assert "exited with code 3" in job["failure_reason"] and "boom" in job["failure_reason"]
     assert "no restarts left: max_restarts is 0" in job["failure_reason"]
-    # the survivor is killed at once: the attempt failed and is fenced
-    (survivor,) = client.get(f"/api/v1/agents/{node0_agent}/work", headers=AGENT).json()["assignments"]
-    assert survivor["desired"] == "kill"
 
 
 def test_kill_stops_every_node(client: TestClient, settings: Settings) -> None:

@@ -398,7 +398,7 @@ def stack_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dic
     monkeypatch.setattr(processes, "wait_for", lambda *args, **kwargs: True)
     stack = processes.Stack(tmp_path, "postgresql+psycopg://offline/none", "redis://offline:1/0")
     spawned: list[tuple[str, ...]] = []
-    monkeypatch.setattr(stack, "spawn", lambda name, *args: spawned.append(args))
+    monkeypatch.setattr(stack, "spawn", lambda name, *args, **_: spawned.append(args))
 
     stack.start_server()
     stack.start_scheduler()

@@ -1,0 +1,102 @@
+"""Multi-node on one machine: agents in their own network namespaces, joined by veth pairs.
+
+A 2-node DDP job trains across namespaces over gloo; then (a) one agent and its workers are
+SIGKILLed and (b) one namespace's link is cut: each time the job resumes on a third agent and
+completes, and the cut-off attempt cannot write once its link returns.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from phalanx.client import Client, load_job_file
+from phalanx.schemas import JobDetail, JobSpec, JobState
+from tests import netns
+from tests.conftest import call_failed
+from tests.processes import REPO, Stack, processes_of_allocation, wait_for
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(netns.available() is not None, reason=str(netns.available())),
+]
+DIGITS = REPO / "examples" / "digits" / "job.yaml"
+
+
+@pytest.fixture
+def cluster(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[
+    tuple[Stack, netns.Cluster]
+]:
+    hosts = netns.Cluster().up(["a", "b", "c"])
+    stack = Stack(tmp_path, clean_db, clean_redis)
+    try:
+        stack.start_server(host=hosts.gateway)
+        stack.start_scheduler()
+        for host in hosts.hosts.values():
+            stack.start_agent(f"node-{host.name}", address=host.address, netns=host.netns)
+        stack.wait_agents(3)
+        yield stack, hosts
+        if call_failed(request):
+            print(stack.dump())
+    finally:
+        stack.close()
+        hosts.down()
+
+
+def digits(epochs: int) -> tuple[JobSpec, Path]:
+    spec, workdir = load_job_file(DIGITS)
+    return spec.model_copy(update={"entrypoint": f"python train.py --epochs {epochs}", "max_restarts": 0}), workdir
+
+
+def running_on(client: Client, job_id: int) -> JobDetail:
+    """The job once it has committed a checkpoint, so a restart has something to resume from."""
+    wait_for(lambda: client.checkpoints(job_id), 180, "the first committed checkpoint")
+    return client.get_job(job_id)
+
+
+def test_two_node_job_survives_a_killed_agent(cluster: tuple[Stack, netns.Cluster]) -> None:
+    stack, hosts = cluster
+    spec, workdir = digits(epochs=80)
+    with stack.client() as client:
+        job = client.submit(spec, workdir)
+        first = running_on(client, job.id).allocations[0]
+        assert {n.agent_name for n in first.nodes} <= {"node-a", "node-b", "node-c"}
+        victim = first.nodes[1].agent_name
+        agent = psutil.Process(stack.procs[victim].pid)
+        for proc in [*agent.children(recursive=True), agent]:  # the agent and its workers, at once
+            proc.send_signal(signal.SIGKILL)
+
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.infra_restarts_used == 1 and final.restarts_used == 0
+        assert "lost" in (final.allocations[0].end_reason or "")
+        assert victim not in {n.agent_name for n in final.allocations[-1].nodes}
+        assert {a.name: a.state.value for a in client.agents()}[victim] == "LOST"
+    assert processes_of_allocation(first.id) == []
+
+
+def test_cut_link_restarts_elsewhere_and_fences_the_cut_off_attempt(cluster: tuple[Stack, netns.Cluster]) -> None:
+    stack, hosts = cluster
+    spec, workdir = digits(epochs=80)
+    with stack.client() as client:
+        job = client.submit(spec, workdir)
+        first = running_on(client, job.id).allocations[0]
+        victim = first.nodes[1].agent_name
+        hosts.cut(victim.removeprefix("node-"))
+        wait_for(lambda: client.get_job(job.id).attempts >= 2, 120, "a new attempt on the other agents")
+        points_of_first = len([p for p in client.metrics(job.id, all_attempts=True) if p.allocation_id == first.id])
+
+        hosts.restore(victim.removeprefix("node-"))
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.infra_restarts_used == 1
+        assert victim not in {n.agent_name for n in final.allocations[-1].nodes}
+        # back online, the cut-off agent registers again and stops its stale workers...
+        wait_for(lambda: processes_of_allocation(first.id) == [], 60, "the cut-off attempt's workers to stop")
+        # ...and nothing they sent after the cut was stored
+        after = [p for p in client.metrics(job.id, all_attempts=True) if p.allocation_id == first.id]
+        assert len(after) == points_of_first
