@@ -6,11 +6,11 @@ import atexit
 import contextlib
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -85,7 +85,9 @@ class Context:
             sink = HttpMetricSink(env.url, env.allocation_id, env.token)
         self._pipeline = MetricPipeline(self.rank, sink)
         self._checkpoint_superseded = False
-        root = os.environ.get("PHALANX_CHECKPOINT_ROOT") or f"file://{Path.cwd() / 'checkpoints'}"
+        # Outside Phalanx (plain python/torchrun) checkpoints go to a fresh temporary folder unless
+        # PHALANX_CHECKPOINT_ROOT says where: never into the code folder, which Phalanx uploads.
+        root = os.environ.get("PHALANX_CHECKPOINT_ROOT") or f"file://{tempfile.mkdtemp(prefix='phalanx-checkpoints-')}"
         committer = None
         if env.managed:
             assert env.url is not None and env.allocation_id is not None
