@@ -17,7 +17,7 @@ from phalanx.schemas import AgentState, JobSpec, JobState, NodeState
 from scheduler.placement import PendingJob, place
 from server.checkpoints import latest_checkpoint, supersede_redone_steps
 from server.db import SERVER_STARTED
-from server.lifecycle import Failure, agent_slot_views, end_attempt, fail_agent_nodes
+from server.lifecycle import Failure, agent_slot_views, end_attempt, fail_agent_nodes, lock_attempt
 from server.models import Agent, Allocation, AllocationNode, ControlPlane, Job, SlotLease, utcnow
 from server.transitions import transition
 
@@ -143,7 +143,9 @@ def hang_pass(session: Session) -> set[int]:
         since = allocation.last_progress_at or (max(started) if started else None)
         if since is None or (now - since).total_seconds() < timeout:
             continue
-        session.refresh(job, with_for_update=True)
+        job = lock_attempt(session, allocation)
+        if allocation.end_reason is not None or job.state != JobState.RUNNING.value:
+            continue  # it ended while we waited for the lock
         failure = Failure("job", f"hang: no rank reported a step for over {timeout:g} s")
         woken |= end_attempt(session, job, allocation, failure)
     session.flush()

@@ -82,6 +82,24 @@ def get_job(session: Session, job_id: int, *, lock: bool = False) -> Job:
     return job
 
 
+def lock_attempt(session: Session, allocation: Allocation) -> Job:
+    """Lock the allocation's job row, then re-read the allocation and its nodes.
+
+    Every change to an attempt happens under this lock, taken before any row of the attempt is
+    written (so two reports never deadlock), and decisions read the nodes as committed by
+    whoever held it before: two nodes that exit at the same moment each see the other's exit."""
+    job = get_job(session, allocation.job_id, lock=True)
+    session.execute(
+        select(Allocation).where(Allocation.id == allocation.id).execution_options(populate_existing=True)
+    ).one()
+    session.execute(
+        select(AllocationNode)
+        .where(AllocationNode.allocation_id == allocation.id)
+        .execution_options(populate_existing=True)
+    ).all()
+    return job
+
+
 def active_allocation(session: Session, job_id: int) -> Allocation | None:
     return session.scalars(
         select(Allocation)
@@ -189,10 +207,10 @@ def _node_failure(node: AllocationNode) -> Failure:
 def record_node_exit(
     session: Session, allocation: Allocation, node: AllocationNode, exit_code: int | None, reason: str
 ) -> set[int]:
+    job = lock_attempt(session, allocation)
     if node.state == NodeState.EXITED.value:
         return set()  # idempotent: an agent retrying a report it already made
     _release(session, node, exit_code, reason)
-    job = get_job(session, allocation.job_id, lock=True)
     woken: set[int] = set()
     # An attempt that is already ending (failed, stopped by a user, or its job left the running
     # states) expects its nodes to exit, with any code.
@@ -208,11 +226,11 @@ def record_node_exit(
 
 
 def record_node_started(session: Session, allocation: Allocation, node: AllocationNode) -> None:
+    job = lock_attempt(session, allocation)
     if node.state != NodeState.ASSIGNED.value:
         return
     node.state = NodeState.RUNNING.value
     node.started_at = session.execute(select(utcnow())).scalar_one()
-    job = get_job(session, allocation.job_id, lock=True)
     if job.state == JobState.SCHEDULED.value and all(n.state != NodeState.ASSIGNED.value for n in allocation.nodes):
         transition(session, job, JobState.RUNNING, "torchrun started on every node")
     session.flush()
@@ -262,7 +280,7 @@ def drain_agent(session: Session, agent: Agent) -> set[int]:
         .distinct()
     ).all()
     for allocation in allocations:
-        job = get_job(session, allocation.job_id, lock=True)
+        job = lock_attempt(session, allocation)
         failure = Failure("infra", f"preempted: agent {agent.name} is draining", graceful=True)
         woken |= end_attempt(session, job, allocation, failure)
     return woken
@@ -279,7 +297,9 @@ def fail_agent_nodes(session: Session, agent: Agent, reason: str) -> set[int]:
     ).all()
     for node in nodes:
         allocation = node.allocation
-        job = get_job(session, allocation.job_id, lock=True)
+        job = lock_attempt(session, allocation)
+        if node.state == NodeState.EXITED.value:  # it reported its exit while we waited for the lock
+            continue
         woken |= end_attempt(session, job, allocation, Failure("infra", reason))
         _release(session, node, None, reason)
         _end_allocation(session, job, allocation)

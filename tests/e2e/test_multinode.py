@@ -52,6 +52,13 @@ def digits(epochs: int) -> tuple[JobSpec, Path]:
     return spec.model_copy(update={"entrypoint": f"python train.py --epochs {epochs}", "max_restarts": 0}), workdir
 
 
+def finished(client: Client, job_id: int, timeout: float = 180) -> JobDetail:
+    try:
+        return client.wait(job_id, timeout=timeout)
+    except TimeoutError:
+        raise AssertionError(client.get_job(job_id).model_dump_json(indent=1)) from None
+
+
 def running_on(client: Client, job_id: int) -> JobDetail:
     """The job once it has committed a checkpoint, so a restart has something to resume from."""
     wait_for(lambda: client.checkpoints(job_id), 180, "the first committed checkpoint")
@@ -70,7 +77,7 @@ def test_two_node_job_survives_a_killed_agent(cluster: tuple[Stack, netns.Cluste
         for proc in [*agent.children(recursive=True), agent]:  # the agent and its workers, at once
             proc.send_signal(signal.SIGKILL)
 
-        final = client.wait(job.id, timeout=300)
+        final = finished(client, job.id)
         assert final.state is JobState.COMPLETED, final.failure_reason
         assert final.infra_restarts_used == 1 and final.restarts_used == 0
         assert "lost" in (final.allocations[0].end_reason or "")
@@ -91,7 +98,7 @@ def test_cut_link_restarts_elsewhere_and_fences_the_cut_off_attempt(cluster: tup
         points_of_first = len([p for p in client.metrics(job.id, all_attempts=True) if p.allocation_id == first.id])
 
         hosts.restore(victim.removeprefix("node-"))
-        final = client.wait(job.id, timeout=300)
+        final = finished(client, job.id)
         assert final.state is JobState.COMPLETED, final.failure_reason
         assert final.infra_restarts_used == 1
         assert victim not in {n.agent_name for n in final.allocations[-1].nodes}

@@ -245,3 +245,44 @@ def test_retention_keeps_last_and_best_and_deletes_files_first(
     archive = client.get(f"/api/v1/jobs/{job_id}/checkpoints/5/archive", headers=USER)
     assert archive.status_code == 200 and archive.content[:2] == b"\x1f\x8b"
     assert client.get(f"/api/v1/jobs/{job_id}/checkpoints/1/archive", headers=USER).status_code == 404
+
+
+def test_nodes_reporting_at_the_same_moment_each_see_the_other(client: TestClient, settings: Settings) -> None:
+    """Both nodes of a gang report started, then exit, at the same instant (in two transactions):
+    the job must still become RUNNING, then COMPLETED. Each report locks the job row first and
+    then re-reads the nodes, so the second one sees the first one's change."""
+    import threading
+
+    from server import lifecycle
+
+    job_id = setup_job(client, settings, agents=2)
+    allocation = job(client, job_id)["allocations"][0]
+
+    def report_all(action: str) -> None:
+        barrier = threading.Barrier(len(allocation["nodes"]))
+        errors: list[BaseException] = []
+
+        def report(node: dict[str, Any]) -> None:
+            try:
+                with session_scope(settings.database_url) as session:
+                    found, row = lifecycle.find_node(session, node["agent_id"], allocation["id"], node["node_rank"])
+                    barrier.wait(10)
+                    if action == "start":
+                        lifecycle.record_node_started(session, found, row)
+                    else:
+                        lifecycle.record_node_exit(session, found, row, 0, "")
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=report, args=(n,)) for n in allocation["nodes"]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors, errors
+
+    report_all("start")
+    assert job(client, job_id)["state"] == "RUNNING"
+    report_all("exit")
+    final = job(client, job_id)
+    assert final["state"] == "COMPLETED" and not final["allocations"][0]["active"]
