@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phalanx.train._checkpoint import CheckpointWriter  # noqa: E402 - after the path fix above
+from phalanx.train._checkpoint import CheckpointWriter
 
 
 def run(mb: int = 100, repeat: int = 16) -> dict[str, object]:

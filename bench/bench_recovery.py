@@ -30,8 +30,10 @@ import psutil
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phalanx.cli.stack import EmbeddedStack  # noqa: E402 - after the path fix above
-from phalanx.client import Client, load_job_file  # noqa: E402
+import contextlib
+
+from phalanx.cli.stack import EmbeddedStack
+from phalanx.client import Client, load_job_file
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "examples" / "digits"
@@ -106,10 +108,8 @@ def torchrun_restart() -> float:
         return first_steps[1] - killed
     finally:
         for member in [*tree.children(recursive=True), tree]:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 member.kill()
-            except psutil.NoSuchProcess:
-                pass
         proc.wait()
 
 
@@ -148,7 +148,7 @@ def agent_loss(stack: EmbeddedStack) -> float:
         try:
             wait(lambda: client.checkpoints(job.id), 120, "a committed checkpoint", interval=0.2)
             victim = client.get_job(job.id).allocations[-1].nodes[1].agent_name
-            agent = next(p for name, p in stack._procs if name == victim)  # noqa: SLF001 - the bench owns the stack
+            agent = next(p for name, p in stack._procs if name == victim)
             tree = psutil.Process(agent.pid)
             killed = time.time()
             for proc in [*tree.children(recursive=True), tree]:
