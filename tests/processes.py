@@ -87,7 +87,12 @@ class Stack:
         self.spawn(name, "scheduler")
 
     def start_agent(
-        self, name: str, cpu_slots: int = 1, kill_grace: float = 5.0, address: str = "127.0.0.1", netns: str | None = None
+        self,
+        name: str,
+        cpu_slots: int = 1,
+        kill_grace: float = 5.0,
+        address: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         """An agent on loopback, or inside network namespace `netns` advertising `address`."""
         self.spawn(
@@ -154,9 +159,10 @@ class Stack:
             self.stop(name)
 
 
-def processes_of_allocation(allocation_id: int) -> list[int]:
-    """PIDs whose environment says they work for this allocation (ranks and their torchrun)."""
-    return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation_id))
+def processes_of_allocation(stack: Stack, allocation_id: int) -> list[int]:
+    """PIDs whose environment says they work for this allocation of this stack (ranks and their
+    torchrun); other stacks on the machine number their allocations from 1 too."""
+    return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation_id), PHALANX_URL=stack.url)
 
 
 def processes_with_env(name: str, value: str, **more: str) -> list[int]:

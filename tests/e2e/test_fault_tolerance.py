@@ -59,7 +59,9 @@ def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
         wait_for(lambda: client.checkpoints(job.id), 120, "the first committed checkpoint")
         allocation = client.get_job(job.id).allocations[0].id
         (rank1,) = wait_for(
-            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1"), 30, "rank 1's process"
+            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1", PHALANX_URL=stack.url),
+            30,
+            "rank 1's process",
         )
         os.kill(rank1, signal.SIGKILL)
 
@@ -77,7 +79,7 @@ def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
         # retention: keep_last 2 + keep_best 1 of val_accuracy; files and rows agree
         checkpoints = client.checkpoints(job.id)
         assert 2 <= len(checkpoints) <= 3
-    assert processes_of_allocation(first.id) == [] and processes_of_allocation(second.id) == []
+    assert processes_of_allocation(stack, first.id) == [] and processes_of_allocation(stack, second.id) == []
     storage = Path(checkpoints[0].path.removeprefix("file://")).parent
     wait_for(
         lambda: sorted(p.name for p in storage.iterdir()) == sorted(Path(c.path).name for c in checkpoints),
@@ -102,7 +104,7 @@ def test_control_plane_killed_mid_run_loses_nothing(stack: Stack) -> None:
     stack.stop("scheduler", signal.SIGKILL)
     with stack.client() as client:
         assert not client.healthy()
-    allocation = processes_with_env("PHALANX_JOB_ID", str(job.id), RANK="0")
+    allocation = processes_with_env("PHALANX_JOB_ID", str(job.id), RANK="0", PHALANX_URL=stack.url)
     assert allocation, "the workers must keep training while the control plane is down"
     stack.start_server()
     stack.start_scheduler()
@@ -131,7 +133,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_latest_loadable(stack: Stack
             # rank 0 is inside torch.save when a temporary folder holds a partial state file
             if not any(p.name.endswith(".tmp") and any(p.iterdir()) for p in root.iterdir()):
                 return []
-            return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="0")
+            return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="0", PHALANX_URL=stack.url)
 
         (rank0,) = wait_for(writing, 60, "rank 0 in the middle of a checkpoint write", interval=0.01)
         os.kill(rank0, signal.SIGKILL)

@@ -28,9 +28,9 @@ DIGITS = REPO / "examples" / "digits" / "job.yaml"
 
 
 @pytest.fixture
-def cluster(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[
-    tuple[Stack, netns.Cluster]
-]:
+def cluster(
+    clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Stack, netns.Cluster]]:
     hosts = netns.Cluster().up(["a", "b", "c"])
     stack = Stack(tmp_path, clean_db, clean_redis)
     try:
@@ -66,7 +66,7 @@ def running_on(client: Client, job_id: int) -> JobDetail:
 
 
 def test_two_node_job_survives_a_killed_agent(cluster: tuple[Stack, netns.Cluster]) -> None:
-    stack, hosts = cluster
+    stack, _ = cluster
     spec, workdir = digits(epochs=80)
     with stack.client() as client:
         job = client.submit(spec, workdir)
@@ -83,7 +83,7 @@ def test_two_node_job_survives_a_killed_agent(cluster: tuple[Stack, netns.Cluste
         assert "lost" in (final.allocations[0].end_reason or "")
         assert victim not in {n.agent_name for n in final.allocations[-1].nodes}
         assert {a.name: a.state.value for a in client.agents()}[victim] == "LOST"
-    assert processes_of_allocation(first.id) == []
+    assert processes_of_allocation(stack, first.id) == []
 
 
 def test_cut_link_restarts_elsewhere_and_fences_the_cut_off_attempt(cluster: tuple[Stack, netns.Cluster]) -> None:
@@ -103,7 +103,7 @@ def test_cut_link_restarts_elsewhere_and_fences_the_cut_off_attempt(cluster: tup
         assert final.infra_restarts_used == 1
         assert victim not in {n.agent_name for n in final.allocations[-1].nodes}
         # back online, the cut-off agent registers again and stops its stale workers...
-        wait_for(lambda: processes_of_allocation(first.id) == [], 60, "the cut-off attempt's workers to stop")
+        wait_for(lambda: processes_of_allocation(stack, first.id) == [], 60, "the cut-off attempt's workers to stop")
         # ...and nothing they sent after the cut was stored
         after = [p for p in client.metrics(job.id, all_attempts=True) if p.allocation_id == first.id]
         assert len(after) == points_of_first

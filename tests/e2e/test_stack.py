@@ -54,7 +54,7 @@ def test_example_trains_as_a_two_node_ddp_job(stack: Stack) -> None:
         rank1 = [line.line for line in client.logs(job.id, rank=1, limit=10_000)]
         assert any(line.startswith("final-checksum:") for line in rank0)
         assert rank1 and not any(line.startswith("final-checksum:") for line in rank1)
-    assert processes_of_allocation(allocation.id) == []
+    assert processes_of_allocation(stack, allocation.id) == []
 
 
 def test_kill_mid_run_cancels_and_leaves_no_process(stack: Stack) -> None:
@@ -64,7 +64,7 @@ def test_kill_mid_run_cancels_and_leaves_no_process(stack: Stack) -> None:
         job = client.submit(spec, workdir)
         wait_for(lambda: client.get_job(job.id).latest_step, 120, "the scripted job to report a step")
         allocation_id = client.get_job(job.id).allocations[0].id
-        assert len(processes_of_allocation(allocation_id)) >= 2  # torchrun and its rank on each node
+        assert len(processes_of_allocation(stack, allocation_id)) >= 2  # torchrun and its rank on each node
 
         assert client.kill_job(job.id).state is JobState.CANCELLED
         wait_for(
@@ -72,7 +72,7 @@ def test_kill_mid_run_cancels_and_leaves_no_process(stack: Stack) -> None:
             30,
             "every node to report its exit",
         )
-        assert processes_of_allocation(allocation_id) == []
+        assert processes_of_allocation(stack, allocation_id) == []
         final = client.get_job(job.id)
         assert final.state is JobState.CANCELLED
         assert [e.to_state.value for e in final.events][-1] == "CANCELLED"
@@ -94,7 +94,7 @@ def test_crashing_rank_fails_the_job_with_its_stderr(stack: Stack) -> None:
     assert final.state is JobState.FAILED
     assert final.failure_reason and "node 1" in final.failure_reason
     assert "rank 1 exited with code 7" in final.failure_reason
-    assert processes_of_allocation(final.allocations[0].id) == []
+    assert processes_of_allocation(stack, final.allocations[0].id) == []
 
 
 def test_cli_against_the_stack(stack: Stack) -> None:
