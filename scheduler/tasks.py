@@ -17,7 +17,8 @@ _publisher: Publisher | None = None
 def _wake(agent_ids: set[int]) -> None:
     global _publisher
     if _publisher is None:
-        _publisher = Publisher(get_settings().redis_url)
+        settings = get_settings()
+        _publisher = Publisher(settings.redis_url, settings.wake_dir)
     _publisher.publish(agent_channel(a) for a in agent_ids)
 
 

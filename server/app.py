@@ -49,7 +49,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     if generated:
         print(f"Phalanx admin token (shown once): {generated}", flush=True)
 
-    waiter = Waiter(settings.redis_url)
+    waiter = Waiter(settings.redis_url, settings.wake_dir)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -66,7 +66,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     app.state.settings = settings
     app.state.sessions = session_factory(settings.database_url)
     app.state.token_cache = auth.TokenCache()
-    app.state.publisher = Publisher(settings.redis_url)
+    app.state.publisher = Publisher(settings.redis_url, settings.wake_dir)
     app.state.waiter = waiter
     app.state.enqueue = enqueue or _enqueuer(settings)
     app.state.kick_scheduler = lambda: app.state.enqueue("phalanx.schedule")

@@ -54,6 +54,11 @@ class Settings(BaseSettings):
         return self.data_dir / "bundles"
 
     @property
+    def wake_dir(self) -> Path:
+        """Embedded mode's wake-up files (with Redis, wake-ups go through pub/sub instead)."""
+        return self.data_dir / "wake"
+
+    @property
     def broker_dir(self) -> Path:
         return self.data_dir / "broker"
 

@@ -2,8 +2,9 @@
 
 With a Redis broker, publishers (routes, scheduler tasks) PUBLISH on `phalanx:wake:<channel>` and
 each server process keeps one pattern subscription that sets in-process events. Without Redis
-(the embedded default) nothing is published and waiters fall back to re-checking the database
-every `POLL_SECONDS`: cheap on SQLite with a handful of agents.
+(the embedded default, one machine) publishers touch a file per channel under the data dir and
+waiters watch its modification time every `POLL_SECONDS`: a stat call, not a database query, so
+idle long-polls cost next to nothing while training runs on the same cores.
 
 Contract: publish after commit, never inside a transaction; a lost wake-up only delays an agent
 until its long-poll times out, because waiters always re-read the database.
@@ -14,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
 
 PREFIX = "phalanx:wake:"
-POLL_SECONDS = 0.1
+POLL_SECONDS = 0.05
 log = logging.getLogger(__name__)
 
 
@@ -30,11 +34,16 @@ def agent_channel(agent_id: int) -> str:
 
 
 class Publisher:
-    def __init__(self, redis_url: str | None) -> None:
+    def __init__(self, redis_url: str | None, wake_dir: Path | None = None) -> None:
         self._redis = redis.Redis.from_url(redis_url) if redis_url else None
+        self._wake_dir = wake_dir
 
     def publish(self, channels: Iterable[str]) -> None:
         if self._redis is None:
+            if self._wake_dir is not None:
+                self._wake_dir.mkdir(parents=True, exist_ok=True)
+                for channel in set(channels):
+                    (self._wake_dir / channel).write_bytes(os.urandom(8))  # a new mtime (and inode data)
             return
         try:
             with self._redis.pipeline(transaction=False) as pipe:
@@ -48,8 +57,9 @@ class Publisher:
 class Waiter:
     """One per server process; `listen(channel)` yields an event set when the channel is woken."""
 
-    def __init__(self, redis_url: str | None) -> None:
+    def __init__(self, redis_url: str | None, wake_dir: Path | None = None) -> None:
         self._redis_url = redis_url
+        self._wake_dir = wake_dir
         self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
 
@@ -101,7 +111,32 @@ class Waiter:
             if not self._events[channel]:
                 del self._events[channel]
 
-    async def wait(self, event: asyncio.Event, timeout: float) -> None:
-        timeout = min(timeout, POLL_SECONDS) if self.polling else timeout
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), max(timeout, 0.0))
+    def mark(self, channel: str) -> object:
+        """Call before reading the database; pass to `wait` so a wake-up in between is not missed."""
+        # a 1-tuple, so "no file yet" (None inside) differs from "no mark given"
+        return (_stamp(self._wake_dir / channel),) if self.polling and self._wake_dir is not None else None
+
+    async def wait(self, event: asyncio.Event, timeout: float, channel: str = "", mark: object = None) -> None:
+        """Until the channel is woken or `timeout` passes (callers re-read the database either way)."""
+        if not self.polling:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), max(timeout, 0.0))
+            return
+        if self._wake_dir is None or not channel:
+            await asyncio.sleep(min(timeout, POLL_SECONDS))
+            return
+        path = self._wake_dir / channel
+        seen = mark[0] if isinstance(mark, tuple) else _stamp(path)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+            if _stamp(path) != seen:
+                return
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_mtime_ns, stat.st_size + stat.st_ino

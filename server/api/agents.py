@@ -162,6 +162,7 @@ async def agent_work(
     async with waiter.listen(agent_channel(agent_id)) as event:
         while True:
             event.clear()
+            mark = waiter.mark(agent_channel(agent_id))
 
             def load() -> schemas.AgentWork:
                 with sessions() as session:
@@ -171,7 +172,7 @@ async def agent_work(
             remaining = deadline - time.monotonic()
             if work.version != version or remaining <= 0:
                 return work
-            await waiter.wait(event, remaining)
+            await waiter.wait(event, remaining, agent_channel(agent_id), mark)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
