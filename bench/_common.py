@@ -1,0 +1,372 @@
+"""What the process benchmarks share: plain torchrun runs, Phalanx stacks, fresh databases.
+
+Every helper that starts a child process stops it again on the way out, failure included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from phalanx.cli.stack import EmbeddedStack, StackError
+from phalanx.client import Client, load_job_file
+from phalanx.schemas import JobDetail, JobSpec
+
+REPO = Path(__file__).resolve().parents[1]
+DIGITS_JOB = REPO / "examples" / "digits" / "job.yaml"
+PG_ADMIN = os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+# A Redis database of the benchmarks' own, so that a concurrent test run's flushes cannot hit it.
+REDIS_URL = os.environ.get("PHALANX_BENCH_REDIS", "redis://127.0.0.1:6379/10")
+ADMIN_TOKEN = "phx_u_bench-admin-token"
+AGENT_TOKEN = "phx_a_bench-agent-token"
+PHALANX = [sys.executable, "-m", "phalanx.cli.main"]
+FIRST_STEP = re.compile(r"phalanx-first-step ([0-9.]+)")
+STEPS_PER_SECOND = re.compile(r"phalanx-steps-per-second ([0-9.]+)")
+# A pause before every run, so that what the previous one left running (a stack finishing its
+# reports, processes exiting) does not land on the next one and bias the pair.
+SETTLE_S = 2.0
+# A job QUEUED this long while every agent is idle means the scheduler stopped working.
+QUEUED_GIVE_UP_S = 30.0
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One run of the digits example: when it was launched, its first step, its step rate."""
+
+    launched: float  # unix time just before the launch (Popen or submit)
+    first_step: float  # unix time rank 0 printed after its first optimizer step
+    steps_per_second: float
+
+    @property
+    def start_latency(self) -> float:
+        return self.first_step - self.launched
+
+
+def log(message: str) -> None:
+    """Progress for a person watching; stdout stays one JSON line."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def without_phalanx_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+
+
+def digits_spec(epochs: int) -> tuple[JobSpec, Path]:
+    spec, workdir = load_job_file(DIGITS_JOB)
+    return spec.model_copy(update={"entrypoint": f"python train.py --epochs {epochs}"}), workdir
+
+
+def parse_training_output(text: str, launched: float, what: str) -> TrainingRun:
+    first = FIRST_STEP.search(text)
+    rate = STEPS_PER_SECOND.search(text)
+    if first is None or rate is None:
+        raise BenchError(f"{what}: rank 0 printed no first-step/steps-per-second line:\n{text[-3000:]}")
+    return TrainingRun(launched, float(first.group(1)), float(rate.group(1)))
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def plain_torchrun(epochs: int, timeout: float = 600.0) -> TrainingRun:
+    """The digits example under two plain torchrun nodes (1 rank each, static rendezvous on loopback).
+
+    The same topology Phalanx runs on two agents with one CPU slot each, OMP_NUM_THREADS=1 as the
+    agent sets it, and no PHALANX_* variables, so metrics stay in memory.
+    """
+    _, workdir = digits_spec(epochs)
+    env = {**without_phalanx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        outputs = [Path(tmp) / f"node{rank}.log" for rank in (0, 1)]
+        try:
+            launched = time.time()
+            for node_rank, output in enumerate(outputs):
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node-rank={node_rank}",
+                    "--nproc-per-node=1",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                    "--rdzv-backend=static",
+                    "--max-restarts=0",
+                    "train.py",
+                    f"--epochs={epochs}",
+                ]
+                with open(output, "wb") as out:
+                    procs.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                stop_process(proc, grace=5.0)
+        text = outputs[0].read_text(errors="replace")
+        codes = [proc.returncode for proc in procs]
+        if any(codes):
+            raise BenchError(f"plain torchrun exited with {codes}:\n{text[-3000:]}")
+        return parse_training_output(text, launched, "plain torchrun")
+
+
+def wait_for_job(running: RunningStack, job_id: int, timeout: float) -> JobDetail:
+    """Poll once a second (each status request costs CPU the ranks would otherwise get) until the
+    job ends; fail fast when a component died or the job sits QUEUED while every agent is idle."""
+    client = running.client
+    deadline = time.monotonic() + timeout
+    queued_since = time.monotonic()
+    while True:
+        job = client.get_job(job_id)
+        if job.state.is_terminal:
+            return job
+        running.check()
+        now = time.monotonic()
+        if job.state.value != "QUEUED":
+            queued_since = now
+        elif now - queued_since > QUEUED_GIVE_UP_S and all(a.used_cpu_slots == 0 for a in client.agents()):
+            raise BenchError(
+                f"job {job_id} is still QUEUED after {QUEUED_GIVE_UP_S:.0f} s with every agent idle: "
+                "the scheduler stopped placing jobs (see its log)"
+            )
+        if now > deadline:
+            raise BenchError(f"job {job_id} is still {job.state.value} after {timeout:.0f} s")
+        time.sleep(1.0)
+
+
+def phalanx_run(running: RunningStack, epochs: int, timeout: float = 300.0) -> TrainingRun:
+    """Submit the digits example (2 nodes x 1 cpu slot) and read rank 0's figures from its logs."""
+    client = running.client
+    spec, workdir = digits_spec(epochs)
+    launched = time.time()
+    job = client.submit(spec, workdir)
+    detail = wait_for_job(running, job.id, timeout)
+    if detail.state.value != "COMPLETED":
+        tail = "\n".join(r.line for r in client.logs(job.id, limit=1000)[-40:])
+        raise BenchError(f"job {job.id} ended {detail.state.value}:\n{tail}")
+    # Logs travel separately from the exit report: give the last lines a moment to land.
+    deadline = time.monotonic() + 10
+    while True:
+        text = "\n".join(record.line for record in client.logs(job.id, rank=0, limit=10_000))
+        if STEPS_PER_SECOND.search(text) or time.monotonic() > deadline:
+            return parse_training_output(text, launched, f"job {job.id}")
+        time.sleep(0.2)
+
+
+@contextmanager
+def fresh_database(prefix: str = "phalanx_bench") -> Iterator[str]:
+    """A migrated PostgreSQL database of its own (SQLAlchemy URL), dropped on the way out."""
+    from server.db import engine_for, upgrade
+
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        engine_for(url).dispose()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class ProcessGroup:
+    """Phalanx components as child processes, each logging to a file; closed agents first."""
+
+    def __init__(self, logs: Path, env: dict[str, str]) -> None:
+        self.logs = logs
+        self.env = env
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, *args: str) -> None:
+        with open(self.logs / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen([*PHALANX, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append((name, proc))
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise BenchError(f"the {name} process exited with {proc.returncode}:\n{tail}")
+
+    def wait_until(self, predicate: Callable[[], object], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.check()
+            if time.monotonic() > deadline:
+                raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        # Agents first (started last): they stop their workers while the server still listens.
+        for _name, proc in reversed(self.procs):
+            stop_process(proc)
+        self.procs.clear()
+
+
+def start_server(group: ProcessGroup, port: int) -> str:
+    url = f"http://127.0.0.1:{port}"
+    group.spawn("server", "server", "--port", str(port))
+    with Client(url, "") as probe:
+        group.wait_until(probe.healthy, 60, f"the server to answer on {url}")
+    return url
+
+
+@contextmanager
+def keep_logs_on_failure(logs: Path) -> Iterator[None]:
+    """Copy a stack's logs somewhere lasting when the benchmark fails, and say where."""
+    try:
+        yield
+    except BaseException:
+        if logs.is_dir():
+            kept = Path(tempfile.mkdtemp(prefix="phalanx-bench-failed-"))
+            shutil.copytree(logs, kept, dirs_exist_ok=True)
+            log(f"the stack's logs are kept in {kept}")
+        raise
+
+
+@dataclass(frozen=True)
+class RunningStack:
+    client: Client  # admin token
+    check: Callable[[], None]  # raises if a component died
+
+
+@contextmanager
+def postgres_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack]:
+    """Server, scheduler and agents as separate processes on a fresh PostgreSQL database + Redis."""
+    with fresh_database() as database_url, tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        env = {
+            **without_phalanx_env(),
+            "PHALANX_DATA_DIR": str(Path(tmp) / "data"),
+            "PHALANX_DATABASE_URL": database_url,
+            "PHALANX_BROKER_URL": REDIS_URL,
+            "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
+            "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
+        }
+        group = ProcessGroup(Path(tmp) / "logs", env)
+        with keep_logs_on_failure(group.logs):
+            try:
+                url = start_server(group, free_port())
+                group.spawn("scheduler", "scheduler")
+                for i in range(agents):
+                    name = f"agent-{i}"
+                    group.spawn(
+                        name,
+                        *("agent", "--server", url, "--name", name, "--address", "127.0.0.1"),
+                        *("--cpu-slots", str(cpu_slots), "--work-dir", str(Path(tmp) / "agents" / name)),
+                    )
+                with Client(url, ADMIN_TOKEN) as client:
+                    group.wait_until(
+                        lambda: sum(a.state.value == "ACTIVE" for a in client.agents()) >= agents,
+                        60,
+                        f"{agents} agents to register",
+                    )
+                    yield RunningStack(client, group.check)
+                    group.check()
+            finally:
+                group.close()
+
+
+@contextmanager
+def embedded_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack]:
+    """`phalanx up`'s stack (SQLite + filesystem broker) on a temporary data dir and a free port."""
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        stack = EmbeddedStack(port=free_port(), data_dir=Path(tmp) / "data", agents=agents, cpu_slots=cpu_slots)
+
+        def check() -> None:
+            try:
+                stack._check_children()  # the stack has no public liveness check
+            except StackError as exc:
+                raise BenchError(str(exc)) from exc
+
+        with keep_logs_on_failure(stack.data_dir / "logs"), stack, stack.client() as client:
+            yield RunningStack(client, check)
+            check()  # a component that died mid-run makes the figures suspect
+
+
+@contextmanager
+def stack(backend: str) -> Iterator[RunningStack]:
+    """One running stack of the given backend, its two agents registered with 1 cpu slot each."""
+    if backend == "embedded":
+        with embedded_stack() as running:
+            yield running
+    elif backend == "postgres":
+        with postgres_stack() as running:
+            yield running
+    else:
+        raise ValueError(f"unknown backend {backend!r}: embedded or postgres")
+
+
+def interleave(
+    backend: str,
+    repeat: int,
+    plain: Callable[[], float],
+    phalanx: Callable[[RunningStack], float],
+    max_stack_failures: int = 3,
+) -> tuple[list[float], list[float], list[str]]:
+    """`repeat` pairs of (plain, Phalanx) figures, alternating, on a running stack of `backend`.
+
+    When the stack breaks (a component dies, the scheduler stops placing) the unfinished pair is
+    dropped and the measurement goes on on a fresh stack, up to `max_stack_failures` times; the
+    failures are returned so that the report shows them.
+    """
+    plain_runs: list[float] = []
+    phalanx_runs: list[float] = []
+    failures: list[str] = []
+    while len(phalanx_runs) < repeat:
+        try:
+            with stack(backend) as running:
+                while len(phalanx_runs) < repeat:
+                    time.sleep(SETTLE_S)
+                    first = plain()
+                    time.sleep(SETTLE_S)
+                    second = phalanx(running)
+                    plain_runs.append(first)
+                    phalanx_runs.append(second)
+                    log(f"{backend} {len(phalanx_runs)}/{repeat}: plain {first:.2f}, phalanx {second:.2f}")
+        except (BenchError, StackError) as exc:
+            failures.append(str(exc).splitlines()[0][:300])
+            if len(failures) > max_stack_failures:
+                raise
+            log(f"the {backend} stack failed ({failures[-1]}); going on with a fresh one")
+    return plain_runs, phalanx_runs, failures
