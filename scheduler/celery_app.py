@@ -10,6 +10,7 @@ from typing import Any
 
 from celery import Celery
 
+from scheduler import broker_fs
 from server.settings import Settings
 
 SCHEDULE_TASK = "phalanx.schedule"
@@ -35,7 +36,12 @@ def broker_options(settings: Settings) -> dict[str, Any]:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("phalanx", broker=settings.broker_url, include=["scheduler.tasks"])
+    broker = settings.broker_url
+    if broker.startswith("filesystem://"):
+        # the same transport, but messages are renamed into place (see scheduler/broker_fs.py)
+        broker_fs.register()
+        broker = broker.replace("filesystem://", f"{broker_fs.SCHEME}://", 1)
+    app = Celery("phalanx", broker=broker, include=["scheduler.tasks"])
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

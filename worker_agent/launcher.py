@@ -116,7 +116,9 @@ def torchrun_command(a: Assignment, log_dir: Path) -> list[str]:
 def rank_env(a: Assignment, base: dict[str, str], server_url: str, token: str, address: str) -> dict[str, str]:
     import json
 
-    env = dict(base)
+    # The agent's own PHALANX_* settings (an admin token, the database URL in a one-machine stack)
+    # are none of the training code's business: ranks get only what is set below.
+    env = {k: v for k, v in base.items() if not k.startswith("PHALANX_")}
     env.update(a.env)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")

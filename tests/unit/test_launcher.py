@@ -48,3 +48,33 @@ def test_python_means_phalanx_interpreter() -> None:
 
     assert entry_argv("python train.py --lr 0.1") == [sys.executable, "train.py", "--lr", "0.1"]
     assert entry_argv("bash run.sh 'a b'") == ["bash", "run.sh", "a b"]
+
+
+def test_ranks_do_not_inherit_the_agents_secrets() -> None:
+    from phalanx.schemas import Assignment
+    from worker_agent.launcher import rank_env
+
+    assignment = Assignment.model_validate(
+        {
+            "allocation_id": 7,
+            "job_id": 3,
+            "attempt": 2,
+            "node_rank": 0,
+            "nnodes": 2,
+            "nproc_per_node": 1,
+            "slot_type": "cpu",
+            "slot_indices": [0],
+            "master_addr": "127.0.0.1",
+            "master_port": 1234,
+            "desired": "run",
+            "entrypoint": "python t.py",
+            "env": {"MY_FLAG": "1"},
+            "hyperparameters": {"lr": 0.1},
+            "precision": "32",
+        }
+    )
+    base = {"PATH": "/usr/bin", "PHALANX_ADMIN_TOKEN": "secret", "PHALANX_DATABASE_URL": "postgresql://x"}
+    env = rank_env(assignment, base, "http://server:8000", "agent-token", "127.0.0.1")
+    assert "PHALANX_ADMIN_TOKEN" not in env and "PHALANX_DATABASE_URL" not in env
+    assert env["PHALANX_TOKEN"] == "agent-token" and env["PHALANX_ALLOCATION_ID"] == "7"
+    assert env["MY_FLAG"] == "1" and env["OMP_NUM_THREADS"] == "1"
