@@ -4,35 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from phalanx.client import Client, load_job_file
 from phalanx.schemas import JobSpec, JobState
-from tests.conftest import call_failed
 from tests.processes import REPO, Stack, processes_of_allocation, processes_with_env, wait_for
 
 pytestmark = pytest.mark.e2e
 DIGITS = REPO / "examples" / "digits" / "job.yaml"
 EPOCHS = 60  # long enough (several seconds) to kill a rank between two checkpoints
-
-
-@pytest.fixture
-def stack(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    running = Stack(tmp_path, clean_db, clean_redis)
-    try:
-        running.start_server()
-        running.start_scheduler()
-        running.start_agent("node-a")
-        running.start_agent("node-b")
-        running.wait_agents(2)
-        yield running
-        if call_failed(request):
-            print(running.dump())
-    finally:
-        running.close()
 
 
 def checksum(client: Client, job_id: int) -> str:

@@ -4,35 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from phalanx.client import load_job_file
 from phalanx.schemas import JobState
-from tests.conftest import call_failed
 from tests.processes import PHALANX, REPO, Stack, processes_of_allocation, wait_for
 
 pytestmark = pytest.mark.e2e
 DIGITS = REPO / "examples" / "digits" / "job.yaml"
 SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
-
-
-@pytest.fixture
-def stack(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    running = Stack(tmp_path, clean_db, clean_redis)
-    try:
-        running.start_server()
-        running.start_scheduler()
-        running.start_agent("node-a")
-        running.start_agent("node-b")
-        running.wait_agents(2)
-        yield running
-        if call_failed(request):
-            print(running.dump())  # pytest shows it with the failure
-    finally:
-        running.close()
 
 
 def test_example_trains_as_a_two_node_ddp_job(stack: Stack) -> None:
