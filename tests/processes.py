@@ -134,7 +134,15 @@ class Stack:
         return Client(self.url, ADMIN_TOKEN)
 
     def stop(self, name: str, sig: int = 15) -> None:
+        """Signal a component; whatever of its process tree outlives it (Celery's embedded beat
+        after a kill -9, say) is killed too, so no test leaves a process behind."""
+        import psutil
+
         proc = self.procs.pop(name)
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
         if proc.poll() is None:
             proc.send_signal(sig)
         try:
@@ -142,6 +150,13 @@ class Stack:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        for child in children:
+            try:
+                child.wait(timeout=5)
+            except psutil.TimeoutExpired:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def dump(self) -> str:
         """Every component's thread stacks (SIGUSR1) and log tail: what a failed test shows."""
