@@ -4,8 +4,8 @@ Every function takes the caller's session, flushes, never commits, and returns t
 ids whose work changed (the caller wakes them after its commit). Job states change only through
 `server.transitions`.
 
-Policy (decide) is kept apart from action: `outcome_after_exit` looks at an allocation and says
-what the job should become; `record_node_exit` applies it.
+Policy (decide) is kept apart from action: `decide_restart` says whether a failed attempt's job
+restarts within its budget or fails; `end_attempt` and `_end_allocation` act on that.
 """
 
 from __future__ import annotations

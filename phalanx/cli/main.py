@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from phalanx.client import ApiError, Client, SpecError
-from phalanx.schemas import JobDetail, JobState
+from phalanx.schemas import Job, JobDetail, JobState
 
 app = typer.Typer(
     help="Phalanx: distributed PyTorch training on your own machines.",
@@ -426,7 +426,10 @@ def jobs_logs(
 def jobs_kill(job_id: int, as_json: JsonOpt = False) -> None:
     """Cancel a job: its workers get SIGTERM, then SIGKILL after the grace period."""
     with api() as client:
-        job = client.kill_job(job_id)
+        _print_state(client.kill_job(job_id), as_json)
+
+
+def _print_state(job: Job, as_json: bool) -> None:
     if as_json:
         print_json({"id": job.id, "state": job.state.value})
     else:
@@ -437,20 +440,14 @@ def jobs_kill(job_id: int, as_json: JsonOpt = False) -> None:
 def jobs_pause(job_id: int, as_json: JsonOpt = False) -> None:
     """SIGTERM the workers so they checkpoint and leave; `jobs resume` continues from there."""
     with api() as client:
-        job = client.pause_job(job_id)
-    print_json({"id": job.id, "state": job.state.value}) if as_json else console.print(
-        f"job {job.id} {job.state.value}"
-    )
+        _print_state(client.pause_job(job_id), as_json)
 
 
 @jobs_app.command("resume")
 def jobs_resume(job_id: int, as_json: JsonOpt = False) -> None:
     """Queue a paused job again; it starts from its newest checkpoint."""
     with api() as client:
-        job = client.resume_job(job_id)
-    print_json({"id": job.id, "state": job.state.value}) if as_json else console.print(
-        f"job {job.id} {job.state.value}"
-    )
+        _print_state(client.resume_job(job_id), as_json)
 
 
 @checkpoints_app.command("list")
