@@ -81,9 +81,10 @@ def without_phalanx_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
 
 
-def digits_spec(epochs: int) -> tuple[JobSpec, Path]:
+def digits_spec(epochs: int, checkpoint_every: int = 1) -> tuple[JobSpec, Path]:
     spec, workdir = load_job_file(DIGITS_JOB)
-    return spec.model_copy(update={"entrypoint": f"python train.py --epochs {epochs}"}), workdir
+    entrypoint = f"python train.py --epochs {epochs} --checkpoint-every {checkpoint_every}"
+    return spec.model_copy(update={"entrypoint": entrypoint}), workdir
 
 
 def parse_training_output(text: str, launched: float, what: str) -> TrainingRun:
@@ -104,7 +105,7 @@ def stop_process(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
         proc.wait()
 
 
-def plain_torchrun(epochs: int, timeout: float = 600.0) -> TrainingRun:
+def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 1) -> TrainingRun:
     """The digits example under two plain torchrun nodes (1 rank each, static rendezvous on loopback).
 
     The same topology Phalanx runs on two agents with one CPU slot each, OMP_NUM_THREADS=1 as the
@@ -132,6 +133,7 @@ def plain_torchrun(epochs: int, timeout: float = 600.0) -> TrainingRun:
                     "--max-restarts=0",
                     "train.py",
                     f"--epochs={epochs}",
+                    f"--checkpoint-every={checkpoint_every}",
                 ]
                 with open(output, "wb") as out:
                     procs.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT))
@@ -172,10 +174,10 @@ def wait_for_job(running: RunningStack, job_id: int, timeout: float) -> JobDetai
         time.sleep(1.0)
 
 
-def phalanx_run(running: RunningStack, epochs: int, timeout: float = 300.0) -> TrainingRun:
+def phalanx_run(running: RunningStack, epochs: int, timeout: float = 300.0, checkpoint_every: int = 1) -> TrainingRun:
     """Submit the digits example (2 nodes x 1 cpu slot) and read rank 0's figures from its logs."""
     client = running.client
-    spec, workdir = digits_spec(epochs)
+    spec, workdir = digits_spec(epochs, checkpoint_every)
     launched = time.time()
     job = client.submit(spec, workdir)
     detail = wait_for_job(running, job.id, timeout)

@@ -1,4 +1,4 @@
-"""The Celery app: JSON only, late acks, prefetch 1; beat drives periodic passes.
+"""The Celery app: JSON only, late acks, prefetch 1; periodic passes come from scheduler/periodic.py.
 
 Broker: Redis in a deployment; kombu's filesystem transport in the embedded mode (it needs no
 server, has fanout and lower latency than the SQLAlchemy transport; see DESIGN.md's pitfalls).
@@ -11,6 +11,8 @@ from typing import Any
 from celery import Celery
 
 from scheduler import broker_fs
+from scheduler.periodic import Periodic
+from server import inotify
 from server.settings import Settings
 
 SCHEDULE_TASK = "phalanx.schedule"
@@ -30,8 +32,9 @@ def broker_options(settings: Settings) -> dict[str, Any]:
         "processed_folder": str(folders["processed"]),
         "control_folder": str(folders["control"]),
         "store_processed": False,
-        # The transport sleeps this long between empty polls: it bounds how soon a submit is placed.
-        "polling_interval": 0.05,
+        # The consumer waits on an inotify watch of the queue folder (scheduler/broker_fs.py); this
+        # only bounds that wait, and is the poll period on systems without inotify.
+        "polling_interval": 1.0 if inotify.available() else 0.05,
     }
 
 
@@ -52,19 +55,10 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_transport_options=broker_options(settings),
         worker_hijack_root_logger=False,
-        # Periodic passes pile up while no worker runs (e.g. during a restart); they are cheap and
-        # idempotent, so an expiry keeps the queue from replaying hundreds of stale ones.
-        beat_schedule={
-            "schedule": {
-                "task": SCHEDULE_TASK,
-                "schedule": settings.schedule_interval,
-                "options": {"expires": settings.schedule_interval * 2},
-            },
-            "reap": {
-                "task": REAP_TASK,
-                "schedule": settings.heartbeat_interval,
-                "options": {"expires": settings.heartbeat_interval * 2},
-            },
-        },
     )
     return app
+
+
+def periodic_passes(settings: Settings) -> list[Periodic]:
+    """What beat would run: placement as a safety net for lost kicks, and the reaper."""
+    return [Periodic(SCHEDULE_TASK, settings.schedule_interval), Periodic(REAP_TASK, settings.heartbeat_interval)]

@@ -25,6 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.sql.functions import FunctionElement
@@ -162,6 +163,11 @@ class Allocation(Base):
     end_budget: Mapped[str | None] = mapped_column(String(8))  # whose failure: "job" | "infra"
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
     last_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # The newest value of each metric name any rank reported, and the newest step: kept up to date
+    # by the metrics route so that showing or listing jobs never scans the metrics table.
+    # (JSONB on PostgreSQL: plain json has no equality, and allocations are selected DISTINCT)
+    latest_metrics: Mapped[dict[str, float] | None] = mapped_column(JSON().with_variant(JSONB(), "postgresql"))
+    latest_step: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
 

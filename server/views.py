@@ -6,7 +6,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server.models import Agent, Allocation, Checkpoint, Job, LogLine, Metric, SlotLease
+from server.models import Agent, Allocation, Checkpoint, Job, LogLine, SlotLease
 
 
 def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:
@@ -74,15 +74,17 @@ def allocation(row: Allocation) -> schemas.AllocationView:
 
 
 def latest_metrics(session: Session, job_id: int) -> tuple[dict[str, float], int | None]:
-    """The newest value of each metric name (any rank), and the newest step seen."""
-    newest = (
-        select(Metric.name, func.max(Metric.id).label("id"))
-        .where(Metric.job_id == job_id, Metric.superseded.is_(False))
-        .group_by(Metric.name)
-    ).subquery()
-    rows = session.execute(select(Metric.name, Metric.value, Metric.step).join(newest, Metric.id == newest.c.id)).all()
-    values = {name: value for name, value, _ in rows}
-    step = max((s for _, _, s in rows), default=None)
+    """The newest value of each metric name (any rank, newest attempt first), and the newest step."""
+    values: dict[str, float] = {}
+    step = None
+    rows = session.execute(
+        select(Allocation.latest_metrics, Allocation.latest_step)
+        .where(Allocation.job_id == job_id, Allocation.latest_metrics.is_not(None))
+        .order_by(Allocation.attempt)
+    )
+    for metrics, newest_step in rows:  # later attempts overwrite earlier ones (None: filtered out)
+        values.update(metrics or {})
+        step = newest_step
     return values, step
 
 

@@ -2,9 +2,10 @@
 
 With a Redis broker, publishers (routes, scheduler tasks) PUBLISH on `phalanx:wake:<channel>` and
 each server process keeps one pattern subscription that sets in-process events. Without Redis
-(the embedded default, one machine) publishers touch a file per channel under the data dir and
-waiters watch its modification time every `POLL_SECONDS`: a stat call, not a database query, so
-idle long-polls cost next to nothing while training runs on the same cores.
+(the embedded default, one machine) publishers rewrite a file per channel under the data dir and
+each server process keeps one inotify watch on that folder that sets the same events, so idle
+long-polls cost nothing while training runs on the same cores. Where inotify is missing, waiters
+stat their file every `POLL_SECONDS` instead.
 
 Contract: publish after commit, never inside a transaction; a lost wake-up only delays an agent
 until its long-poll times out, because waiters always re-read the database.
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+
+from server.inotify import IN_CLOSE_WRITE, IN_MOVED_TO, FolderWatch
 
 PREFIX = "phalanx:wake:"
 POLL_SECONDS = 0.05
@@ -62,16 +65,32 @@ class Waiter:
         self._wake_dir = wake_dir
         self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
+        self._watch: FolderWatch | None = None
 
     @property
     def polling(self) -> bool:
-        return self._redis_url is None
+        return self._redis_url is None and self._watch is None
 
     async def start(self) -> None:
         if self._redis_url and self._task is None:
             self._task = asyncio.create_task(self._subscribe(self._redis_url))
+        elif self._redis_url is None and self._wake_dir is not None and self._watch is None:
+            self._wake_dir.mkdir(parents=True, exist_ok=True)
+            self._watch = FolderWatch.open(self._wake_dir, IN_CLOSE_WRITE | IN_MOVED_TO)
+            if self._watch is not None:
+                asyncio.get_running_loop().add_reader(self._watch.fileno(), self._on_folder_event)
+
+    def _on_folder_event(self) -> None:
+        assert self._watch is not None
+        for channel in self._watch.read_names():
+            for event in self._events.get(channel, ()):
+                event.set()
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            asyncio.get_running_loop().remove_reader(self._watch.fileno())
+            self._watch.close()
+            self._watch = None
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -134,7 +134,7 @@ class Stack:
         return Client(self.url, ADMIN_TOKEN)
 
     def stop(self, name: str, sig: int = 15) -> None:
-        """Signal a component; whatever of its process tree outlives it (Celery's embedded beat
+        """Signal a component; whatever of its process tree outlives it (a torchrun tree
         after a kill -9, say) is killed too, so no test leaves a process behind."""
         import psutil
 

@@ -28,6 +28,9 @@ from phalanx.schemas import AgentRegistration, Assignment, LogLine
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env, torchrun_command
 
 log = logging.getLogger("phalanx.agent")
+# Lines are shipped in batches this often (or at 500 pending): each request costs the server CPU
+# that training on the same machine would otherwise get; a second is still "live" for a person.
+SHIP_INTERVAL_S = 1.0
 T = TypeVar("T")
 
 
@@ -101,7 +104,7 @@ class LogShipper(threading.Thread):
     def run(self) -> None:
         while not self._agent.stopping.is_set():
             with self._lock:
-                self._lock.wait(timeout=0.25)
+                self._lock.wait(timeout=SHIP_INTERVAL_S)
                 batches, self._pending = dict(self._pending), defaultdict(list)
             for allocation_id, lines in batches.items():
                 self._ship(allocation_id, lines)

@@ -51,6 +51,7 @@ def evaluate(model: nn.Module, loader: DataLoader, ctx: pt.Context) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--checkpoint-every", type=int, default=1, metavar="EPOCHS", help="checkpoint cadence")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -103,9 +104,17 @@ def main() -> None:
                     print(f"phalanx-first-step {time.time():.3f}", flush=True)
         train_seconds += time.perf_counter() - epoch_start
         accuracy = evaluate(model, val_loader, ctx)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": global_step}
-        # rank 0 writes; the rename and the commit to Phalanx happen off the training thread
-        ctx.report({"val_accuracy": accuracy}, step=global_step, checkpoint=state)
+        if (epoch + 1) % args.checkpoint_every == 0 or epoch + 1 == args.epochs:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch,
+                "step": global_step,
+            }
+            # rank 0 writes; the rename and the commit to Phalanx happen off the training thread
+            ctx.report({"val_accuracy": accuracy}, step=global_step, checkpoint=state)
+        else:
+            ctx.report({"val_accuracy": accuracy}, step=global_step)
         if ctx.rank == 0:
             print(f"epoch {epoch} loss {loss_sum.item() / seen:.4f} val_accuracy {accuracy:.4f}", flush=True)
 

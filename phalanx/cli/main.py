@@ -111,8 +111,9 @@ def server(
 def scheduler(
     pool: Annotated[str, typer.Option(help="Celery pool (solo keeps one process).")] = "solo",
 ) -> None:
-    """Run the scheduler: a Celery worker with beat (placement, reaping lost agents)."""
-    from scheduler.celery_app import make_celery
+    """Run the scheduler: a Celery worker and its periodic passes (placement, reaping lost agents)."""
+    from scheduler.celery_app import make_celery, periodic_passes
+    from scheduler.periodic import PeriodicPublisher
     from server.db import SchemaOutOfDate, check_schema
     from server.settings import get_settings
 
@@ -123,11 +124,10 @@ def scheduler(
         fail(str(exc), 2)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     celery = make_celery(settings)
+    PeriodicPublisher(celery, periodic_passes(settings)).start()  # beat's job, in this process
     celery.worker_main(
         [
             "worker",
-            "--beat",
-            f"--schedule={settings.data_dir / f'celerybeat-{os.getpid()}'}",
             f"--pool={pool}",
             "--concurrency=1",
             "--loglevel=WARNING",

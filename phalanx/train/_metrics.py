@@ -26,7 +26,7 @@ logger = logging.getLogger("phalanx.train")
 
 MAX_BATCH = 5_000  # records per request: keeps one POST well under a megabyte
 MAX_BUFFER = 100_000  # records held while the server is unreachable; the oldest go first
-FLUSH_INTERVAL_S = 0.5  # batching window: one request per interval instead of one per step
+FLUSH_INTERVAL_S = 1.0  # batching window: one request per second instead of one per step (each costs server CPU)
 SEND_TIMEOUT_S = 10.0
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
