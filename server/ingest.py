@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
+from sqlalchemy import ColumnElement, cast, func, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from phalanx.schemas import MetricRecord
-from server.models import MetricBatch
+from server.models import Allocation, MetricBatch, utcnow
 
 METRIC_COLUMNS = ("job_id", "allocation_id", "rank", "step", "name", "value", "time")
 COPY_METRICS = f"COPY metrics ({', '.join(METRIC_COLUMNS)}) FROM STDIN"
@@ -45,6 +48,27 @@ def insert_metrics(session: Session, rows: list[tuple[Any, ...]]) -> None:
         # mode the server shares the cores with training, and this costs a fraction of the CPU
         # of SQLAlchemy's executemany (which processes every parameter of every row).
         connection.exec_driver_sql(INSERT_METRICS, [(*row[:-1], row[-1].strftime(SQLITE_TIME)) for row in rows])
+
+
+def record_progress(session: Session, allocation_id: int, records: list[MetricRecord]) -> None:
+    """Stamp progress (database clock, for hang detection) and merge the batch's newest values
+    into the allocation's latest metrics, in one UPDATE: the merge happens in the database, so
+    concurrent batches need no lock beyond the row lock this statement takes until commit."""
+    latest: dict[str, float] = {}
+    for record in records:
+        latest.update(record.values)
+    step = max((record.step for record in records), default=None)
+    values: dict[str, Any] = {"last_progress_at": utcnow()}
+    merged: ColumnElement[Any]
+    if latest:
+        if session.get_bind().dialect.name == "postgresql":
+            merged = func.coalesce(Allocation.latest_metrics, cast({}, JSONB)).op("||")(cast(latest, JSONB))
+            newest = func.greatest(func.coalesce(Allocation.latest_step, step), step)
+        else:
+            merged = func.json_patch(func.coalesce(Allocation.latest_metrics, "{}"), json.dumps(latest))
+            newest = func.max(func.coalesce(Allocation.latest_step, step), step)
+        values.update(latest_metrics=merged, latest_step=newest)
+    session.execute(update(Allocation).where(Allocation.id == allocation_id).values(**values))
 
 
 def first_delivery(session: Session, allocation_id: int, batch_id: str) -> bool:

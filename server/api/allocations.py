@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import select, update
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, SessionDep, SettingsDep, read_capped_body
 from server.errors import Conflict, NotFound, Unprocessable
-from server.ingest import first_delivery, insert_metrics, metric_rows
-from server.models import Allocation, utcnow
+from server.ingest import first_delivery, insert_metrics, metric_rows, record_progress
+from server.models import Allocation
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
 
@@ -28,42 +28,19 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
 
     def store() -> None:
         with request.app.state.sessions() as session, session.begin():
-            # The row lock orders concurrent batches of one allocation (its latest metrics merge).
             row = session.execute(
-                select(
-                    Allocation.job_id,
-                    Allocation.active,
-                    Allocation.fenced,
-                    Allocation.latest_metrics,
-                    Allocation.latest_step,
-                )
-                .where(Allocation.id == allocation_id)
-                .with_for_update()
+                select(Allocation.job_id, Allocation.active, Allocation.fenced).where(Allocation.id == allocation_id)
             ).one_or_none()
             if row is None:
                 raise NotFound(f"allocation {allocation_id} does not exist")
-            job_id, active, fenced, latest, latest_step = row
+            job_id, active, fenced = row
             if fenced or not active:
                 raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
             if batch.batch_id is not None and not first_delivery(session, allocation_id, batch.batch_id):
                 return  # a retry of a batch whose answer was lost: stored already
             insert_metrics(session, metric_rows(job_id, allocation_id, batch.records))
-            latest = dict(latest or {})
-            for record in batch.records:
-                latest.update(record.values)
-            steps = [record.step for record in batch.records]
-            if latest_step is not None:
-                steps.append(latest_step)
-            # last_progress_at: progress for hang detection, on the database clock
-            session.execute(
-                update(Allocation)
-                .where(Allocation.id == allocation_id)
-                .values(
-                    last_progress_at=utcnow(),
-                    latest_metrics=latest,
-                    latest_step=max(steps, default=None),
-                )
-            )
+            # last (a row lock until commit): progress for hang detection, and the latest values
+            record_progress(session, allocation_id, batch.records)
 
     await run_in_threadpool(store)
     return Response(status_code=204)
