@@ -34,23 +34,19 @@ class PeriodicPublisher(threading.Thread):
         super().__init__(name="phalanx-periodic", daemon=True)
         self._app = app
         self._entries = entries
-        self._stop_event = threading.Event()
 
     def run(self) -> None:
         due = {entry.task: time.monotonic() for entry in self._entries}
-        while not self._stop_event.is_set():
+        while True:
             now = time.monotonic()
             for entry in self._entries:
                 if due[entry.task] <= now:
                     due[entry.task] = now + entry.interval_s
                     self._publish(entry)
-            self._stop_event.wait(max(0.0, min(due.values()) - time.monotonic()))
+            time.sleep(max(0.0, min(due.values()) - time.monotonic()))
 
     def _publish(self, entry: Periodic) -> None:
         try:
             self._app.send_task(entry.task, expires=entry.interval_s * 2)
         except Exception as exc:  # a broker outage must not end the passes: the next one retries
             log.warning("could not publish %s (%s); retrying in %.1f s", entry.task, exc, entry.interval_s)
-
-    def stop(self) -> None:
-        self._stop_event.set()
