@@ -151,13 +151,14 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
 
 
 def wait_for_job(running: RunningStack, job_id: int, timeout: float) -> JobDetail:
-    """Poll once a second (each status request costs CPU the ranks would otherwise get) until the
-    job ends; fail fast when a component died or the job sits QUEUED while every agent is idle."""
+    """Long-poll the job (the server answers when its state changes, so watching costs the ranks
+    nothing) until it ends; fail fast when a component died or the job sits QUEUED while every
+    agent is idle."""
     client = running.client
     deadline = time.monotonic() + timeout
     queued_since = time.monotonic()
+    job = client.get_job(job_id)
     while True:
-        job = client.get_job(job_id)
         if job.state.is_terminal:
             return job
         running.check()
@@ -171,7 +172,7 @@ def wait_for_job(running: RunningStack, job_id: int, timeout: float) -> JobDetai
             )
         if now > deadline:
             raise BenchError(f"job {job_id} is still {job.state.value} after {timeout:.0f} s")
-        time.sleep(1.0)
+        job = client.get_job_change(job_id, job.state, wait=5.0)
 
 
 def phalanx_run(running: RunningStack, epochs: int, timeout: float = 300.0, checkpoint_every: int = 1) -> TrainingRun:
@@ -346,7 +347,9 @@ def interleave(
     phalanx: Callable[[RunningStack], float],
     max_stack_failures: int = 3,
 ) -> tuple[list[float], list[float], list[str]]:
-    """`repeat` pairs of (plain, Phalanx) figures, alternating, on a running stack of `backend`.
+    """`repeat` pairs of (plain, Phalanx) figures on a running stack of `backend`, the order within
+    a pair alternating (plain first, then Phalanx first, ...) so that neither side always runs
+    right after the other.
 
     When the stack breaks (a component dies, the scheduler stops placing) the unfinished pair is
     dropped and the measurement goes on on a fresh stack, up to `max_stack_failures` times; the
@@ -359,13 +362,17 @@ def interleave(
         try:
             with stack(backend) as running:
                 while len(phalanx_runs) < repeat:
-                    time.sleep(SETTLE_S)
-                    first = plain()
-                    time.sleep(SETTLE_S)
-                    second = phalanx(running)
-                    plain_runs.append(first)
-                    phalanx_runs.append(second)
-                    log(f"{backend} {len(phalanx_runs)}/{repeat}: plain {first:.2f}, phalanx {second:.2f}")
+                    figures: dict[str, float] = {}
+                    order = ("plain", "phalanx") if len(phalanx_runs) % 2 == 0 else ("phalanx", "plain")
+                    for side in order:
+                        time.sleep(SETTLE_S)
+                        figures[side] = plain() if side == "plain" else phalanx(running)
+                    plain_runs.append(figures["plain"])
+                    phalanx_runs.append(figures["phalanx"])
+                    log(
+                        f"{backend} {len(phalanx_runs)}/{repeat}: "
+                        f"plain {figures['plain']:.2f}, phalanx {figures['phalanx']:.2f}"
+                    )
         except (BenchError, StackError) as exc:
             failures.append(str(exc).splitlines()[0][:300])
             if len(failures) > max_stack_failures:

@@ -28,6 +28,7 @@ from phalanx.schemas import (
     Job,
     JobDetail,
     JobSpec,
+    JobState,
     LogLine,
     LogRecord,
     MetricPoint,
@@ -189,16 +190,23 @@ class Client:
             params["name"] = name
         return self._list(MetricPoint, f"/jobs/{job_id}/metrics", params=params)
 
-    def wait(self, job_id: int, timeout: float | None = None, poll: float = 0.5) -> JobDetail:
-        """Block until the job reaches a terminal state; TimeoutError after `timeout` seconds."""
+    def get_job_change(self, job_id: int, state: JobState | str, wait: float = 20.0) -> JobDetail:
+        """The job once its state is no longer `state`, or as it is after `wait` seconds (long-poll)."""
+        params = {"state": JobState(state).value, "wait": wait}
+        return self._get(JobDetail, f"/jobs/{job_id}", params=params, timeout=wait + 15)
+
+    def wait(self, job_id: int, timeout: float | None = None) -> JobDetail:
+        """Block until the job reaches a terminal state; TimeoutError after `timeout` seconds.
+
+        Long-polls the server, which answers as soon as the job's state changes: no polling loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            job = self.get_job(job_id)
-            if job.state.is_terminal:
-                return job
-            if deadline is not None and time.monotonic() > deadline:
+        job = self.get_job(job_id)
+        while not job.state.is_terminal:
+            remaining = 20.0 if deadline is None else min(20.0, deadline - time.monotonic())
+            if remaining <= 0:
                 raise TimeoutError(f"job {job_id} is still {job.state.value} after {timeout} s")
-            time.sleep(poll)
+            job = self.get_job_change(job_id, job.state, wait=remaining)
+        return job
 
     def pause_job(self, job_id: int) -> Job:
         return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)

@@ -18,7 +18,7 @@ from server.api.deps import get_principal
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
 from server.settings import Settings
-from server.wakeups import Publisher, Waiter
+from server.wakeups import Publisher, Waiter, wake_job_watchers_after_commit
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 log = logging.getLogger("phalanx.server")
@@ -68,6 +68,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     app.state.token_cache = auth.TokenCache()
     app.state.publisher = Publisher(settings.redis_url, settings.wake_dir)
     app.state.waiter = waiter
+    wake_job_watchers_after_commit(app.state.sessions, app.state.publisher)
     app.state.enqueue = enqueue or _enqueuer(settings)
     app.state.kick_scheduler = lambda: app.state.enqueue("phalanx.schedule")
     app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))

@@ -1,7 +1,8 @@
 """The only code that changes a job's state.
 
 Each rule names the states it moves between; `transition` refuses everything else, records a
-`JobEvent` with the reason, and keeps the job's timestamps in step. Callers own the transaction.
+`JobEvent` with the reason, and keeps the job's timestamps in step. Callers own the transaction;
+watchers of the job (`GET /jobs/{id}?state=…&wait=…`) are woken once it commits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session
 from phalanx.schemas import JobState
 from server.errors import IllegalTransition
 from server.models import Job, JobEvent, utcnow
+from server.wakeups import note_job_change
 
 S = JobState
 
@@ -53,3 +55,4 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
         job.wait_reason = None
     session.add(JobEvent(job_id=job.id, time=now, from_state=current.value, to_state=target.value, reason=reason))
     session.flush()
+    note_job_change(session, job.id)

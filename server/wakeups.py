@@ -1,4 +1,5 @@
-"""Wake-ups: tell a long-polling agent that its work changed, across processes.
+"""Wake-ups: tell a long-polling agent that its work changed, or a watcher that a job's state
+did, across processes.
 
 With a Redis broker, publishers (routes, scheduler tasks) PUBLISH on `phalanx:wake:<channel>` and
 each server process keeps one pattern subscription that sets in-process events. Without Redis
@@ -8,7 +9,9 @@ long-polls cost nothing while training runs on the same cores. Where inotify is 
 stat their file every `POLL_SECONDS` instead.
 
 Contract: publish after commit, never inside a transaction; a lost wake-up only delays an agent
-until its long-poll times out, because waiters always re-read the database.
+until its long-poll times out, because waiters always re-read the database. Job channels are
+published by construction after commit: `transitions.transition` notes the job in the session and
+`wake_job_watchers_after_commit` publishes what a committed session noted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+from sqlalchemy import event as orm_event
+from sqlalchemy.orm import Session, sessionmaker
 
 from server.inotify import IN_CLOSE_WRITE, IN_MOVED_TO, FolderWatch
 
@@ -32,8 +37,20 @@ POLL_SECONDS = 0.05
 log = logging.getLogger(__name__)
 
 
+_CHANGED_JOBS = "phalanx.changed_jobs"
+
+
 def agent_channel(agent_id: int) -> str:
     return f"agent:{agent_id}"
+
+
+def job_channel(job_id: int) -> str:
+    return f"job:{job_id}"
+
+
+def note_job_change(session: Session, job_id: int) -> None:
+    """Remember that `job_id` changed state in this session's transaction (published on commit)."""
+    session.info.setdefault(_CHANGED_JOBS, set()).add(job_id)
 
 
 class Publisher:
@@ -55,6 +72,20 @@ class Publisher:
                 pipe.execute()
         except redis.RedisError as exc:  # a lost wake-up costs latency, never correctness
             log.warning("wake-up publish failed: %s", exc)
+
+
+def wake_job_watchers_after_commit(sessions: sessionmaker[Session], publisher: Publisher) -> None:
+    """Publish `job_channel` for every job whose state a session committed (dropped on rollback)."""
+
+    @orm_event.listens_for(sessions, "after_commit")
+    def _publish(session: Session) -> None:
+        changed = session.info.pop(_CHANGED_JOBS, None)
+        if changed:
+            publisher.publish(job_channel(job_id) for job_id in changed)
+
+    @orm_event.listens_for(sessions, "after_rollback")  # the real one: a savepoint's keeps the outer changes
+    def _forget(session: Session) -> None:
+        session.info.pop(_CHANGED_JOBS, None)
 
 
 class Waiter:
@@ -129,6 +160,10 @@ class Waiter:
             self._events[channel].discard(event)
             if not self._events[channel]:
                 del self._events[channel]
+
+    def listeners(self, channel: str) -> int:
+        """How many requests listen on `channel` now."""
+        return len(self._events.get(channel, ()))
 
     def mark(self, channel: str) -> object:
         """Call before reading the database; pass to `wait` so a wake-up in between is not missed."""

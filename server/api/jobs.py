@@ -5,20 +5,22 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import select
-from sqlalchemy.orm import selectinload
+from sqlalchemy.orm import Session, selectinload
+from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import checkpoints, lifecycle, views
-from server.api.deps import AgentDep, PublisherDep, SessionDep, SettingsDep, UserDep
+from server.api.deps import AgentDep, PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
 from server.errors import NotFound, TooLarge, Unprocessable
 from server.models import Allocation, AllocationNode, Checkpoint, Job, LogLine, Metric
-from server.wakeups import agent_channel
+from server.wakeups import agent_channel, job_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -93,8 +95,7 @@ def list_jobs(
         return [views.job(session, row) for row in session.scalars(query)]
 
 
-@router.get("/{job_id}", response_model=schemas.JobDetail)
-def show_job(job_id: int, session: SessionDep, _: UserDep) -> schemas.JobDetail:
+def _load_job_detail(session: Session, job_id: int) -> schemas.JobDetail:
     with session.begin():
         job = session.scalars(
             select(Job)
@@ -107,6 +108,40 @@ def show_job(job_id: int, session: SessionDep, _: UserDep) -> schemas.JobDetail:
         if job is None:
             raise NotFound(f"job {job_id} does not exist; `phalanx jobs list` shows the jobs you can see")
         return views.job_detail(session, job)
+
+
+@router.get("/{job_id}", response_model=schemas.JobDetail)
+async def show_job(
+    job_id: int,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    waiter: WaiterDep,
+    _: UserDep,
+    state: Annotated[
+        schemas.JobState | None, Query(description="With `wait`: answer once the job is no longer in this state")
+    ] = None,
+    wait: Annotated[float, Query(ge=0, le=300, description="Seconds to hold the request (long-poll)")] = 0.0,
+) -> schemas.JobDetail:
+    """The job with its attempts and latest metrics; with `state` and `wait`, hangs until its state
+    differs from `state` (or `wait` passes), so watchers need not poll."""
+
+    def load() -> schemas.JobDetail:
+        with sessions() as session:
+            return _load_job_detail(session, job_id)
+
+    if state is None or wait <= 0:
+        return await run_in_threadpool(load)
+    deadline = time.monotonic() + min(wait, settings.work_poll_seconds)
+    channel = job_channel(job_id)
+    async with waiter.listen(channel) as event:
+        while True:
+            event.clear()
+            mark = waiter.mark(channel)
+            detail = await run_in_threadpool(load)
+            remaining = deadline - time.monotonic()
+            if detail.state is not state or remaining <= 0:
+                return detail
+            await waiter.wait(event, remaining, channel, mark)
 
 
 @router.post("/{job_id}/kill", response_model=schemas.Job)

@@ -7,6 +7,7 @@ import json
 import tarfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -277,6 +278,34 @@ def test_kill_stops_every_node(client: TestClient, settings: Settings) -> None:
     for agent in client.get("/api/v1/agents", headers=USER).json():
         work = client.get(f"/api/v1/agents/{agent['id']}/work", headers=AGENT).json()
         assert [a["desired"] for a in work["assignments"]] == ["stop"]
+
+
+def test_job_long_poll_answers_when_the_state_changes(client: TestClient, settings: Settings) -> None:
+    register(client, "a0")
+    register(client, "a1")
+    created = submit(client, spec())
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+    url = f"/api/v1/jobs/{job_id}"
+    started = time.monotonic()
+    unchanged = client.get(url, params={"state": "QUEUED", "wait": 0.5}, headers=USER).json()
+    assert unchanged["state"] == "QUEUED" and time.monotonic() - started >= 0.5
+    # a state other than the current one answers at once
+    assert client.get(url, params={"state": "RUNNING", "wait": 30}, headers=USER).json()["state"] == "QUEUED"
+
+    with ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(client.get, url, params={"state": "QUEUED", "wait": 30}, headers=USER)
+        waiter = client.app.state.waiter  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while not waiter.listeners(f"job:{job_id}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert client.post(f"{url}/kill", headers=USER).status_code == 200
+        answered = watcher.result(timeout=30)
+    assert answered.status_code == 200 and answered.json()["state"] == "CANCELLED"
+    assert time.monotonic() - started < 5, "the watcher slept through the wake-up until its timeout"
+    bad = client.get(url, params={"state": "NOPE", "wait": 1}, headers=USER)
+    assert bad.status_code == 422 and "state" in bad.text
 
 
 def test_waiting_job_says_why(client: TestClient, settings: Settings) -> None:
