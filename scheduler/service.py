@@ -119,6 +119,9 @@ def reap_pass(session: Session, heartbeat_timeout: float) -> set[int]:
     woken: set[int] = set()
     for agent in lost:
         agent.state = AgentState.LOST.value
+        # Its own channel too: an agent that is alive after all learns at once that it was
+        # declared lost, and a non-empty result makes the caller run a scheduling pass now.
+        woken.add(agent.id)
         woken |= fail_agent_nodes(
             session, agent, f"agent {agent.name} lost: no heartbeat for over {heartbeat_timeout:g} s"
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from phalanx.schemas import Assignment
+from worker_agent.warm import WarmTorchrun
 
 # torchrun --tee prefixes every line of a rank with "[<role><local_rank>]:".
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
@@ -92,11 +93,14 @@ def entry_argv(entrypoint: str) -> list[str]:
 
 
 def torchrun_command(a: Assignment, log_dir: Path) -> list[str]:
+    """The whole command line of a cold torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(a, log_dir)]
+
+
+def torchrun_args(a: Assignment, log_dir: Path) -> list[str]:
+    """torchrun's arguments (what follows `python -m torch.distributed.run`)."""
     assert a.master_port is not None
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
         f"--nnodes={a.nnodes}",
         f"--node-rank={a.node_rank}",
         f"--nproc-per-node={a.nproc_per_node}",
@@ -153,29 +157,44 @@ class NodeProcess:
 
     def __init__(
         self,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: Path,
+        proc: subprocess.Popen[bytes],
         node_rank: int,
         nproc: int,
         on_line: Callable[[int | None, str, str], None],
     ) -> None:
-        self._proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self.pid = self._proc.pid
+        self._proc = proc
+        self.pid = proc.pid
         self._pumps = [
             threading.Thread(target=self._pump, args=(stream, name, node_rank * nproc, on_line), daemon=True)
-            for stream, name in ((self._proc.stdout, "stdout"), (self._proc.stderr, "stderr"))
+            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
         ]
         for pump in self._pumps:
             pump.start()
+
+    @classmethod
+    def start(
+        cls,
+        a: Assignment,
+        env: dict[str, str],
+        cwd: Path,
+        log_dir: Path,
+        on_line: Callable[[int | None, str, str], None],
+        warm: WarmTorchrun | None = None,
+    ) -> tuple[NodeProcess, bool]:
+        """torchrun for this node, from the warm process when one waits; (process, was it warm)."""
+        proc = warm.take(torchrun_args(a, log_dir), env, cwd) if warm is not None else None
+        was_warm = proc is not None
+        if proc is None:
+            proc = subprocess.Popen(
+                torchrun_command(a, log_dir),
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        return cls(proc, a.node_rank, a.nproc_per_node, on_line), was_warm
 
     @staticmethod
     def _pump(stream: object, name: str, first_rank: int, on_line: Callable[[int | None, str, str], None]) -> None:

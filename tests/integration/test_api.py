@@ -335,7 +335,8 @@ def test_reaper_declares_silent_agents_lost_by_the_database_clock(client: TestCl
         session.execute(update(ControlPlane).values(time=hour_ago))
     with session_scope(settings.database_url) as session:
         woken = reap_pass(session, settings.heartbeat_timeout)
-    assert a0 not in woken and len(woken) == 1
+    # the survivor (told to stop its node) and the lost agent itself (told it is lost, if it lives)
+    assert a0 in woken and len(woken) == 2
     agents = {a["id"]: a["state"] for a in client.get("/api/v1/agents", headers=USER).json()}
     assert agents[a0] == "LOST"
     job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
