@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import threading
 import time
 from typing import Annotated
 
@@ -33,6 +35,9 @@ from server.wakeups import agent_channel
 router = APIRouter(prefix="/agents", tags=["agents"])
 # A hung peer is seen at the process-group timeout; torch's default (30 min for NCCL) is far too long.
 PG_TIMEOUT = 120.0
+# The reaper pass a hung-up long-poll schedules runs this long after the heartbeat timeout expires
+# (database and server clocks read in the same query, so only scheduling jitter needs covering).
+REAP_MARGIN_S = 0.05
 
 
 @router.get("", response_model=list[schemas.Agent])
@@ -156,23 +161,57 @@ async def agent_work(
     version: str = "",
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
 ) -> schemas.AgentWork:
-    """The agent's assignments; with `version` and `wait`, hangs until they differ from that version."""
+    """The agent's assignments; with `version` and `wait`, hangs until they differ from that version.
+
+    A long-poll whose agent hangs up is a hint that the agent died (a live agent polls again at
+    once): the reaper is then run the moment that agent's heartbeat timeout expires, instead of at
+    its next periodic pass. Whether the agent is lost is still decided by its heartbeats alone."""
     deadline = time.monotonic() + min(wait, settings.work_poll_seconds)
     sessions = request.app.state.sessions
+    gone = asyncio.Event()
     async with waiter.listen(agent_channel(agent_id)) as event:
-        while True:
-            event.clear()
-            mark = waiter.mark(agent_channel(agent_id))
 
-            def load() -> schemas.AgentWork:
-                with sessions() as session:
-                    return _load_work(session, agent_id, settings)
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            event.set()
 
-            work = await run_in_threadpool(load)
-            remaining = deadline - time.monotonic()
-            if work.version != version or remaining <= 0:
-                return work
-            await waiter.wait(event, remaining, agent_channel(agent_id), mark)
+        watcher = asyncio.create_task(watch_disconnect()) if wait > 0 else None
+        try:
+            while True:
+                event.clear()
+                mark = waiter.mark(agent_channel(agent_id))
+
+                def load() -> schemas.AgentWork:
+                    with sessions() as session:
+                        return _load_work(session, agent_id, settings)
+
+                work = await run_in_threadpool(load)
+                remaining = deadline - time.monotonic()
+                if work.version != version or remaining <= 0:
+                    return work
+                await waiter.wait(event, remaining, agent_channel(agent_id), mark)
+                if gone.is_set():
+                    await run_in_threadpool(_reap_at_expiry, request, agent_id)
+                    return work  # nobody reads it
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
+def _reap_at_expiry(request: Request, agent_id: int) -> None:
+    """Enqueue a reaper pass for the moment `agent_id`'s heartbeat timeout expires."""
+    settings: Settings = request.app.state.settings
+    with request.app.state.sessions() as session:
+        row = session.execute(select(Agent.last_heartbeat, utcnow()).where(Agent.id == agent_id)).one_or_none()
+    if row is None:
+        return
+    last_heartbeat, now = row
+    delay = max((last_heartbeat - now).total_seconds() + settings.heartbeat_timeout, 0.0) + REAP_MARGIN_S
+    timer = threading.Timer(delay, request.app.state.enqueue, args=("phalanx.reap",))
+    timer.daemon = True
+    timer.start()
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
