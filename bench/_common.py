@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import psycopg
 
 from phalanx.cli.stack import EmbeddedStack, StackError
@@ -272,6 +273,34 @@ def keep_logs_on_failure(logs: Path) -> Iterator[None]:
 class RunningStack:
     client: Client  # admin token
     check: Callable[[], None]  # raises if a component died
+    pids: Callable[[], list[int]]  # the stack's own processes (their children are found from them)
+
+
+def wait_quiet(pids: Callable[[], list[int]], timeout: float = 60.0) -> None:
+    """Until the stack's process trees are idle (< 0.05 CPU-s in each of two 0.5 s samples): what
+    the previous run left to do (reports landing, agents topping up their warm torchruns) must not
+    share the cores with the next measurement."""
+    deadline = time.monotonic() + timeout
+    quiet_samples = 0
+    previous: dict[int, float] = {}
+    while quiet_samples < 2 and time.monotonic() < deadline:
+        current: dict[int, float] = {}
+        for pid in pids():
+            try:
+                root = psutil.Process(pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for proc in tree:
+                try:
+                    times = proc.cpu_times()
+                except psutil.Error:
+                    continue
+                current[proc.pid] = times.user + times.system
+        busy = sum(cpu - previous.get(pid, cpu) for pid, cpu in current.items())
+        quiet_samples = quiet_samples + 1 if previous and busy < 0.05 else 0
+        previous = current
+        time.sleep(0.5)
 
 
 @contextmanager
@@ -304,7 +333,7 @@ def postgres_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack
                         60,
                         f"{agents} agents to register",
                     )
-                    yield RunningStack(client, group.check)
+                    yield RunningStack(client, group.check, lambda: [p.pid for _, p in group.procs])
                     group.check()
             finally:
                 group.close()
@@ -323,7 +352,7 @@ def embedded_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack
                 raise BenchError(str(exc)) from exc
 
         with keep_logs_on_failure(stack.data_dir / "logs"), stack, stack.client() as client:
-            yield RunningStack(client, check)
+            yield RunningStack(client, check, lambda: [p.pid for _, p in stack._procs])
             check()  # a component that died mid-run makes the figures suspect
 
 
@@ -365,6 +394,7 @@ def interleave(
                     figures: dict[str, float] = {}
                     order = ("plain", "phalanx") if len(phalanx_runs) % 2 == 0 else ("phalanx", "plain")
                     for side in order:
+                        wait_quiet(running.pids)
                         time.sleep(SETTLE_S)
                         figures[side] = plain() if side == "plain" else phalanx(running)
                     plain_runs.append(figures["plain"])

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC
 from pathlib import Path
 
@@ -33,6 +34,7 @@ if __package__ in (None, ""):
 
 import contextlib
 
+from bench._common import wait_quiet
 from phalanx.cli.stack import EmbeddedStack
 from phalanx.client import Client, load_job_file
 
@@ -172,34 +174,17 @@ def agent_loss(stack: EmbeddedStack) -> float:
             client.kill_job(job.id)
 
 
-def wait_quiet(stack: EmbeddedStack, timeout: float = 60.0) -> None:
-    """Until the stack's processes (agents' warm torchruns topping up included) are idle: the next
-    measurement must not share the cores with the previous one's aftermath."""
-    roots = [psutil.Process(proc.pid) for _name, proc in stack._procs]
-    deadline = time.monotonic() + timeout
-    quiet_samples = 0
-    previous: dict[int, float] = {}
-    while quiet_samples < 2 and time.monotonic() < deadline:
-        current: dict[int, float] = {}
-        for root in roots:
-            with contextlib.suppress(psutil.Error):
-                for proc in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        times = proc.cpu_times()
-                        current[proc.pid] = times.user + times.system
-        busy = sum(cpu - previous.get(pid, cpu) for pid, cpu in current.items())
-        quiet_samples = quiet_samples + 1 if previous and busy < 0.05 else 0
-        previous = current
-        time.sleep(0.5)
+def stack_pids(stack: EmbeddedStack) -> Callable[[], list[int]]:
+    return lambda: [proc.pid for _name, proc in stack._procs]
 
 
 def run(repeat: int = 3) -> dict[str, object]:
     plain, ours = [], []
     with tempfile.TemporaryDirectory() as data, EmbeddedStack(port=_free_port(), data_dir=Path(data)) as stack:
         for _ in range(repeat):  # interleaved: drift of the machine hits both alike
-            wait_quiet(stack)
+            wait_quiet(stack_pids(stack))
             plain.append(torchrun_restart())
-            wait_quiet(stack)
+            wait_quiet(stack_pids(stack))
             ours.append(phalanx_restart(stack))
     losses = []
     for _ in range(repeat):
@@ -208,7 +193,7 @@ def run(repeat: int = 3) -> dict[str, object]:
             tempfile.TemporaryDirectory() as data,
             EmbeddedStack(port=_free_port(), data_dir=Path(data), agents=3) as stack,
         ):
-            wait_quiet(stack)
+            wait_quiet(stack_pids(stack))
             losses.append(agent_loss(stack))
     timeout = float(os.environ.get("PHALANX_HEARTBEAT_TIMEOUT", "10"))
     lost = statistics.median(losses)

@@ -325,6 +325,14 @@ def submit(
             raise typer.Exit(0 if final.state is JobState.COMPLETED else 1)
 
 
+def restart_budgets(job: Job) -> str:
+    """Used/allowed restarts: the job's own failures, then lost infrastructure (its own budget)."""
+    return (
+        f"{job.restarts_used}/{job.spec.max_restarts} "
+        f"infra {job.infra_restarts_used}/{job.spec.max_infra_restarts}"
+    )
+
+
 @jobs_app.command("list")
 def jobs_list(
     state: Annotated[JobState | None, typer.Option(help="Only jobs in this state.")] = None,
@@ -338,7 +346,7 @@ def jobs_list(
         print_json(jobs)
         return
     table = Table()
-    for column in ("id", "name", "state", "owner", "nodes x slots", "step", "metrics", "note"):
+    for column in ("id", "name", "state", "owner", "nodes x slots", "restarts", "step", "metrics", "note"):
         table.add_column(column)
     for job in jobs:
         res = job.spec.resources
@@ -349,6 +357,7 @@ def jobs_list(
             job.state.value,
             job.owner,
             f"{res.nodes}x{res.slots_per_node} {res.slot_type.value}",
+            restart_budgets(job),
             "-" if job.latest_step is None else str(job.latest_step),
             _fmt_metrics(job.latest_metrics),
             note or "",
@@ -365,6 +374,7 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
         print_json(job)
         return
     console.print(f"[bold]job {job.id}[/] {job.name}  state [bold]{job.state.value}[/]  owner {job.owner}")
+    console.print(f"restarts used: {restart_budgets(job)}")
     if job.state is JobState.QUEUED and job.wait_reason:
         console.print(f"waiting: {job.wait_reason}")
     if job.failure_reason:

@@ -95,6 +95,9 @@ def test_cli_against_the_stack(stack: Stack) -> None:
     assert shown["id"] == job_id and "latest_metrics" in shown and "state" in shown
     listed = json.loads(cli("jobs", "list", "--json").stdout)
     assert {j["id"] for j in listed} >= {job_id, waited["id"]}
+    assert all("restarts_used" in j and "infra_restarts_used" in j for j in listed)
+    table = cli("jobs", "list").stdout
+    assert "restarts" in table and "infra" in table  # used/allowed, per budget
     agents = json.loads(cli("agents", "list", "--json").stdout)
     assert {a["name"] for a in agents} == {"node-a", "node-b"}
     logs = cli("jobs", "logs", str(waited["id"]), "--rank", "1").stdout
