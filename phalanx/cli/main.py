@@ -327,10 +327,7 @@ def submit(
 
 def restart_budgets(job: Job) -> str:
     """Used/allowed restarts: the job's own failures, then lost infrastructure (its own budget)."""
-    return (
-        f"{job.restarts_used}/{job.spec.max_restarts} "
-        f"infra {job.infra_restarts_used}/{job.spec.max_infra_restarts}"
-    )
+    return f"{job.restarts_used}/{job.spec.max_restarts} infra {job.infra_restarts_used}/{job.spec.max_infra_restarts}"
 
 
 @jobs_app.command("list")
