@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from phalanx.client import Client, load_job_file
 from phalanx.schemas import JobSpec, JobState
-from tests.processes import REPO, Stack, processes_of_allocation, processes_with_env, wait_for
+from tests.processes import REPO, Stack, free_port, processes_of_allocation, processes_with_env, wait_for
 
 pytestmark = pytest.mark.e2e
 DIGITS = REPO / "examples" / "digits" / "job.yaml"
@@ -126,3 +130,77 @@ def test_crash_while_writing_a_checkpoint_keeps_the_latest_loadable(stack: Stack
         assert resumed, "the second attempt did not resume from a checkpoint"
         for checkpoint in client.checkpoints(job.id):
             assert not checkpoint.path.endswith(".tmp")
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[tuple[str, Callable[[], subprocess.Popen[bytes]]]]:
+    """A Redis of this test's own (killing the shared one would hit everything else): its URL and
+    a function that (re)starts it on the same port."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        proc = subprocess.Popen([*argv, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+        procs.append(proc)
+        client = redis.Redis(port=port)
+        wait_for(lambda: _pings(client), 30, "the private redis-server to answer")
+        client.close()
+        return proc
+
+    try:
+        yield f"redis://127.0.0.1:{port}/0", start
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_redis_killed_mid_run_training_goes_on(
+    clean_db: str, tmp_path: Path, private_redis: tuple[str, Callable[[], subprocess.Popen[bytes]]]
+) -> None:
+    """kill -9 Redis (the broker and the wake-up channel) while the job trains: ranks keep training
+    and reporting through the server, and once Redis is back the job completes with no restart."""
+    url, start_redis = private_redis
+    redis_proc = start_redis()
+    stack = Stack(tmp_path, clean_db, url)
+    try:
+        stack.start_server()
+        stack.start_scheduler()
+        stack.start_agent("node-a")
+        stack.start_agent("node-b")
+        stack.wait_agents(2)
+        spec, workdir = load_job_file(SCRIPTED)
+        steps = 160
+        spec = spec.model_copy(update={"hyperparameters": {"steps": steps, "step_seconds": 0.05}})
+        with stack.client() as client:
+            job = client.submit(spec, workdir)
+            wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 10, 120, "ten steps")
+            redis_proc.kill()
+            redis_proc.wait()
+            down_at = client.get_job(job.id).latest_step or 0
+            # metrics keep arriving while Redis is down: training and reporting do not need it
+            wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= down_at + 20, 60, "20 more steps")
+            assert client.get_job(job.id).state is JobState.RUNNING
+            start_redis()
+            final = client.wait(job.id, timeout=180)
+            assert final.state is JobState.COMPLETED, final.failure_reason
+            assert final.attempts == 1 and final.restarts_used == 0 and final.infra_restarts_used == 0
+            points = client.metrics(job.id, name="step_value")
+        for rank in (0, 1):
+            assert sorted(p.step for p in points if p.rank == rank) == list(range(steps)), f"rank {rank}"
+    except BaseException:
+        print(stack.dump())
+        raise
+    finally:
+        stack.close()
