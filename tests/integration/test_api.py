@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import tarfile
@@ -40,13 +41,14 @@ def spec(**overrides: Any) -> dict[str, Any]:
 
 
 def bundle_bytes() -> bytes:
+    """A one-file code bundle, the same bytes on every call (gzip's header time fixed at 0)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
         data = b"print('hello')\n"
         info = tarfile.TarInfo("./train.py")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+    return gzip.compress(buffer.getvalue(), mtime=0)
 
 
 def submit(client: TestClient, body: dict[str, Any], bundle: bytes | None = None) -> Any:
