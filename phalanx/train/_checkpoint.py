@@ -139,7 +139,16 @@ class CheckpointWriter:
         _, final = fsspec.core.url_to_fs(pending.final)
         if fs.exists(final):  # the same step saved twice in one attempt: the newer files win
             fs.rm(final, recursive=True)
-        fs.mv(tmp, final, recursive=True)  # one rename on a filesystem: atomic
+        if _is_local(fs):
+            fs.mv(tmp, final, recursive=True)  # one rename on a filesystem: atomic
+        else:
+            # Object stores have no folders to rename (a recursive mv trips over the folder's own
+            # key on S3): move file by file. The checkpoint still becomes visible only when the
+            # server records it, after the last file has moved.
+            for source in fs.find(tmp):
+                fs.mv(source, final + source[len(tmp) :])
+            if fs.exists(tmp):  # filesystems with real folders keep the emptied one
+                fs.rm(tmp, recursive=True)
         size = int(fs.du(final, total=True))
         checkpoint = Checkpoint(pending.step, pending.final)
         if self._commit is None:  # outside Phalanx: the folder is the record
