@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,25 @@ def processes_of_allocation(stack: Stack, allocation_id: int) -> list[int]:
     """PIDs whose environment says they work for this allocation of this stack (ranks and their
     torchrun); other stacks on the machine number their allocations from 1 too."""
     return processes_with_env("PHALANX_ALLOCATION_ID", str(allocation_id), PHALANX_URL=stack.url)
+
+
+@contextmanager
+def two_agent_stack(tmp: Path, database_url: str, broker_url: str, **env: str) -> Iterator[Stack]:
+    """Server, scheduler and two one-slot agents (node-a, node-b), registered; stopped on the way
+    out, their logs printed when the body raises."""
+    stack = Stack(tmp, database_url, broker_url, **env)
+    try:
+        stack.start_server()
+        stack.start_scheduler()
+        stack.start_agent("node-a")
+        stack.start_agent("node-b")
+        stack.wait_agents(2)
+        yield stack
+    except BaseException:
+        print(stack.dump())
+        raise
+    finally:
+        stack.close()
 
 
 def processes_with_env(name: str, value: str, **more: str) -> list[int]:

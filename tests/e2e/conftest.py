@@ -8,20 +8,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import call_failed
-from tests.processes import Stack
+from tests.processes import Stack, two_agent_stack
 
 
 @pytest.fixture
 def stack(clean_db: str, clean_redis: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    running = Stack(tmp_path, clean_db, clean_redis)
-    try:
-        running.start_server()
-        running.start_scheduler()
-        running.start_agent("node-a")
-        running.start_agent("node-b")
-        running.wait_agents(2)
+    with two_agent_stack(tmp_path, clean_db, clean_redis) as running:
         yield running
-        if call_failed(request):
+        if call_failed(request):  # a failing test's exception never reaches this generator
             print(running.dump())  # pytest shows it with the failure
-    finally:
-        running.close()

@@ -13,8 +13,16 @@ import pytest
 import redis
 
 from phalanx.client import Client, load_job_file
-from phalanx.schemas import JobSpec, JobState
-from tests.processes import REPO, Stack, free_port, processes_of_allocation, processes_with_env, wait_for
+from phalanx.schemas import JobSpec, JobState, MetricPoint
+from tests.processes import (
+    REPO,
+    Stack,
+    free_port,
+    processes_of_allocation,
+    processes_with_env,
+    two_agent_stack,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 DIGITS = REPO / "examples" / "digits" / "job.yaml"
@@ -26,6 +34,11 @@ def checksum(client: Client, job_id: int) -> str:
     sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
     assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
     return sums[-1]
+
+
+def assert_each_step_once(points: list[MetricPoint], steps: int) -> None:
+    for rank in (0, 1):
+        assert sorted(p.step for p in points if p.rank == rank) == list(range(steps)), f"rank {rank}"
 
 
 def digits_spec() -> tuple[JobSpec, Path]:
@@ -99,8 +112,7 @@ def test_control_plane_killed_mid_run_loses_nothing(stack: Stack) -> None:
         assert final.state is JobState.COMPLETED, final.failure_reason
         assert final.attempts == 1 and final.restarts_used == 0 and final.infra_restarts_used == 0
         points = client.metrics(job.id, name="step_value")
-    for rank in (0, 1):
-        assert sorted(p.step for p in points if p.rank == rank) == list(range(steps)), f"rank {rank}"
+    assert_each_step_once(points, steps)
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_latest_loadable(stack: Stack) -> None:
@@ -173,13 +185,7 @@ def test_redis_killed_mid_run_training_goes_on(
     and reporting through the server, and once Redis is back the job completes with no restart."""
     url, start_redis = private_redis
     redis_proc = start_redis()
-    stack = Stack(tmp_path, clean_db, url)
-    try:
-        stack.start_server()
-        stack.start_scheduler()
-        stack.start_agent("node-a")
-        stack.start_agent("node-b")
-        stack.wait_agents(2)
+    with two_agent_stack(tmp_path, clean_db, url) as stack:
         spec, workdir = load_job_file(SCRIPTED)
         steps = 160
         spec = spec.model_copy(update={"hyperparameters": {"steps": steps, "step_seconds": 0.05}})
@@ -197,10 +203,4 @@ def test_redis_killed_mid_run_training_goes_on(
             assert final.state is JobState.COMPLETED, final.failure_reason
             assert final.attempts == 1 and final.restarts_used == 0 and final.infra_restarts_used == 0
             points = client.metrics(job.id, name="step_value")
-        for rank in (0, 1):
-            assert sorted(p.step for p in points if p.rank == rank) == list(range(steps)), f"rank {rank}"
-    except BaseException:
-        print(stack.dump())
-        raise
-    finally:
-        stack.close()
+        assert_each_step_once(points, steps)

@@ -12,7 +12,7 @@ from moto.server import ThreadedMotoServer
 
 from phalanx.client import load_job_file
 from phalanx.schemas import JobState
-from tests.processes import REPO, Stack, free_port, wait_for
+from tests.processes import REPO, free_port, two_agent_stack, wait_for
 
 pytestmark = pytest.mark.e2e
 SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
@@ -44,13 +44,7 @@ def test_checkpoints_on_s3_commit_resume_download_and_retain(
     bucket = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=s3_endpoint)
     bucket.mkdir(BUCKET)
 
-    stack = Stack(tmp_path, clean_db, clean_redis, **env)
-    try:
-        stack.start_server()
-        stack.start_scheduler()
-        stack.start_agent("node-a")
-        stack.start_agent("node-b")
-        stack.wait_agents(2)
+    with two_agent_stack(tmp_path, clean_db, clean_redis, **env) as stack:
         spec, workdir = load_job_file(SCRIPTED)
         hyper = {"steps": 40, "step_seconds": 0.02, "checkpoint_every": 10, "checkpoint_mb": 0.25}
         policy = spec.checkpoint.model_copy(update={"storage": f"s3://{BUCKET}/runs", "keep_last": 2})
@@ -77,8 +71,3 @@ def test_checkpoints_on_s3_commit_resume_download_and_retain(
         # the dropped checkpoints' objects are deleted from the bucket (their rows only after that)
         wanted = {Path(c.path).name for c in kept}
         wait_for(lambda: folders() == wanted, 60, f"the bucket to hold exactly {sorted(wanted)}")
-    except BaseException:
-        print(stack.dump())
-        raise
-    finally:
-        stack.close()
