@@ -22,16 +22,19 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
 from sqlalchemy import event as orm_event
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from server.inotify import IN_CLOSE_WRITE, IN_MOVED_TO, FolderWatch
 
+T = TypeVar("T")
 PREFIX = "phalanx:wake:"
 POLL_SECONDS = 0.05
 log = logging.getLogger(__name__)
@@ -161,6 +164,34 @@ class Waiter:
             if not self._events[channel]:
                 del self._events[channel]
 
+    async def until_changed(
+        self,
+        channel: str,
+        load: Callable[[], T],
+        changed: Callable[[T], bool],
+        timeout: float,
+        interrupt: asyncio.Event | None = None,
+    ) -> T:
+        """Long-poll: `load()` (in a worker thread) until `changed` says so, `timeout` passes or
+        `interrupt` is set; re-read on every wake-up of `channel`. Returns the last value loaded."""
+        deadline = time.monotonic() + timeout
+        async with self.listen(channel) as event:
+            relay = asyncio.create_task(_relay(interrupt, event)) if interrupt is not None else None
+            try:
+                while True:
+                    event.clear()
+                    mark = self.mark(channel)  # before the read: a wake-up during it is not lost
+                    value = await run_in_threadpool(load)
+                    remaining = deadline - time.monotonic()
+                    if changed(value) or remaining <= 0 or (interrupt is not None and interrupt.is_set()):
+                        return value
+                    await self.wait(event, remaining, channel, mark)
+                    if interrupt is not None and interrupt.is_set():
+                        return value
+            finally:
+                if relay is not None:
+                    relay.cancel()
+
     def listeners(self, channel: str) -> int:
         """How many requests listen on `channel` now."""
         return len(self._events.get(channel, ()))
@@ -186,6 +217,11 @@ class Waiter:
             await asyncio.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
             if _stamp(path) != seen:
                 return
+
+
+async def _relay(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

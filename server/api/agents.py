@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -166,38 +165,35 @@ async def agent_work(
     A long-poll whose agent hangs up is a hint that the agent died (a live agent polls again at
     once): the reaper is then run the moment that agent's heartbeat timeout expires, instead of at
     its next periodic pass. Whether the agent is lost is still decided by its heartbeats alone."""
-    deadline = time.monotonic() + min(wait, settings.work_poll_seconds)
     sessions = request.app.state.sessions
+
+    def load() -> schemas.AgentWork:
+        with sessions() as session:
+            return _load_work(session, agent_id, settings)
+
+    if wait <= 0:
+        return await run_in_threadpool(load)
     gone = asyncio.Event()
-    async with waiter.listen(agent_channel(agent_id)) as event:
 
-        async def watch_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            event.set()
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
 
-        watcher = asyncio.create_task(watch_disconnect()) if wait > 0 else None
-        try:
-            while True:
-                event.clear()
-                mark = waiter.mark(agent_channel(agent_id))
-
-                def load() -> schemas.AgentWork:
-                    with sessions() as session:
-                        return _load_work(session, agent_id, settings)
-
-                work = await run_in_threadpool(load)
-                remaining = deadline - time.monotonic()
-                if work.version != version or remaining <= 0:
-                    return work
-                await waiter.wait(event, remaining, agent_channel(agent_id), mark)
-                if gone.is_set():
-                    await run_in_threadpool(_reap_at_expiry, request, agent_id)
-                    return work  # nobody reads it
-        finally:
-            if watcher is not None:
-                watcher.cancel()
+    watcher = asyncio.create_task(watch_disconnect())
+    try:
+        work = await waiter.until_changed(
+            agent_channel(agent_id),
+            load,
+            lambda work: work.version != version,
+            min(wait, settings.work_poll_seconds),
+            interrupt=gone,
+        )
+    finally:
+        watcher.cancel()
+    if gone.is_set():
+        await run_in_threadpool(_reap_at_expiry, request, agent_id)
+    return work  # (nobody reads it when the agent hung up)
 
 
 def _reap_at_expiry(request: Request, agent_id: int) -> None:

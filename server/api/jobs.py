@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -131,17 +130,9 @@ async def show_job(
 
     if state is None or wait <= 0:
         return await run_in_threadpool(load)
-    deadline = time.monotonic() + min(wait, settings.work_poll_seconds)
-    channel = job_channel(job_id)
-    async with waiter.listen(channel) as event:
-        while True:
-            event.clear()
-            mark = waiter.mark(channel)
-            detail = await run_in_threadpool(load)
-            remaining = deadline - time.monotonic()
-            if detail.state is not state or remaining <= 0:
-                return detail
-            await waiter.wait(event, remaining, channel, mark)
+    return await waiter.until_changed(
+        job_channel(job_id), load, lambda detail: detail.state is not state, min(wait, settings.work_poll_seconds)
+    )
 
 
 @router.post("/{job_id}/kill", response_model=schemas.Job)

@@ -90,28 +90,34 @@ def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
 SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
 
 
+def submit_scripted_and_await_training(client: Client, steps: int) -> int:
+    """The scripted example for `steps` steps of 50 ms; its id once it reported ten steps."""
+    spec, workdir = load_job_file(SCRIPTED)
+    spec = spec.model_copy(update={"hyperparameters": {"steps": steps, "step_seconds": 0.05}})
+    job = client.submit(spec, workdir)
+    wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 10, 120, "ten steps")
+    return job.id
+
+
 def test_control_plane_killed_mid_run_loses_nothing(stack: Stack) -> None:
     """kill -9 the server and the scheduler while the job trains; agents and workers buffer and
     retry, and after the restart the job completes with every step's metrics present once."""
-    spec, workdir = load_job_file(SCRIPTED)
     steps = 120
-    spec = spec.model_copy(update={"hyperparameters": {"steps": steps, "step_seconds": 0.05}})
     with stack.client() as client:
-        job = client.submit(spec, workdir)
-        wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 10, 120, "ten steps")
+        job_id = submit_scripted_and_await_training(client, steps)
     stack.stop("server", signal.SIGKILL)
     stack.stop("scheduler", signal.SIGKILL)
     with stack.client() as client:
         assert not client.healthy()
-    allocation = processes_with_env("PHALANX_JOB_ID", str(job.id), RANK="0", PHALANX_URL=stack.url)
+    allocation = processes_with_env("PHALANX_JOB_ID", str(job_id), RANK="0", PHALANX_URL=stack.url)
     assert allocation, "the workers must keep training while the control plane is down"
     stack.start_server()
     stack.start_scheduler()
     with stack.client() as client:
-        final = client.wait(job.id, timeout=180)
+        final = client.wait(job_id, timeout=180)
         assert final.state is JobState.COMPLETED, final.failure_reason
         assert final.attempts == 1 and final.restarts_used == 0 and final.infra_restarts_used == 0
-        points = client.metrics(job.id, name="step_value")
+        points = client.metrics(job_id, name="step_value")
     assert_each_step_once(points, steps)
 
 
@@ -186,21 +192,18 @@ def test_redis_killed_mid_run_training_goes_on(
     url, start_redis = private_redis
     redis_proc = start_redis()
     with two_agent_stack(tmp_path, clean_db, url) as stack:
-        spec, workdir = load_job_file(SCRIPTED)
         steps = 160
-        spec = spec.model_copy(update={"hyperparameters": {"steps": steps, "step_seconds": 0.05}})
         with stack.client() as client:
-            job = client.submit(spec, workdir)
-            wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 10, 120, "ten steps")
+            job_id = submit_scripted_and_await_training(client, steps)
             redis_proc.kill()
             redis_proc.wait()
-            down_at = client.get_job(job.id).latest_step or 0
+            down_at = client.get_job(job_id).latest_step or 0
             # metrics keep arriving while Redis is down: training and reporting do not need it
-            wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= down_at + 20, 60, "20 more steps")
-            assert client.get_job(job.id).state is JobState.RUNNING
+            wait_for(lambda: (client.get_job(job_id).latest_step or 0) >= down_at + 20, 60, "20 more steps")
+            assert client.get_job(job_id).state is JobState.RUNNING
             start_redis()
-            final = client.wait(job.id, timeout=180)
+            final = client.wait(job_id, timeout=180)
             assert final.state is JobState.COMPLETED, final.failure_reason
             assert final.attempts == 1 and final.restarts_used == 0 and final.infra_restarts_used == 0
-            points = client.metrics(job.id, name="step_value")
+            points = client.metrics(job_id, name="step_value")
         assert_each_step_once(points, steps)
