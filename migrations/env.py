@@ -12,6 +12,11 @@ config = context.config
 target_metadata = Base.metadata
 
 
+def only_ours(name: str | None, type_: str, parent_names: object) -> bool:
+    """Optuna's tables share the database; autogenerate must neither drop nor compare them."""
+    return type_ != "table" or name in target_metadata.tables
+
+
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url")
     assert url
@@ -23,6 +28,7 @@ def run_migrations_online() -> None:
             version_table=VERSION_TABLE,
             render_as_batch=connection.dialect.name == "sqlite",
             compare_type=True,
+            include_name=only_ours,
         )
         with context.begin_transaction():
             context.run_migrations()

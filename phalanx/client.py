@@ -32,6 +32,12 @@ from phalanx.schemas import (
     LogLine,
     LogRecord,
     MetricPoint,
+    ParamImportances,
+    Study,
+    StudyBest,
+    StudyDetail,
+    StudySpec,
+    StudyState,
     TokenCreated,
 )
 
@@ -51,23 +57,34 @@ class SpecError(ValueError):
     """A job file that cannot be read or does not validate; the message names the field."""
 
 
-def load_job_file(path: str | Path) -> tuple[JobSpec, Path]:
-    """Read a YAML job file; returns the spec and its working directory (relative to the file)."""
-    path = Path(path)
+def _load_yaml(path: Path, model: type[M], what: str) -> M:
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
-        raise SpecError(f"cannot read job file {path}: {exc.strerror}") from exc
+        raise SpecError(f"cannot read {what} {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise SpecError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
-        raise SpecError(f"{path} must be a mapping of job fields (name, entrypoint, resources, ...)")
+        raise SpecError(f"{path} must be a mapping of {what} fields ({', '.join(list(model.model_fields)[:3])}, ...)")
     try:
-        spec = JobSpec.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors())
         raise SpecError(f"{path}: {problems}") from exc
+
+
+def load_job_file(path: str | Path) -> tuple[JobSpec, Path]:
+    """Read a YAML job file; returns the spec and its working directory (relative to the file)."""
+    path = Path(path)
+    spec = _load_yaml(path, JobSpec, "job file")
     return spec, (path.parent / spec.workdir).resolve()
+
+
+def load_study_file(path: str | Path) -> tuple[StudySpec, Path]:
+    """Read a YAML study file; returns the spec and its trials' working directory."""
+    path = Path(path)
+    spec = _load_yaml(path, StudySpec, "study file")
+    return spec, (path.parent / spec.trial.workdir).resolve()
 
 
 def pack_workdir(workdir: Path, max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> bytes:
@@ -236,6 +253,56 @@ class Client:
             with tarfile.open(fileobj=_StreamReader(response.iter_bytes()), mode="r|gz") as tar:
                 tar.extractall(target, filter="data")
         return chosen
+
+    # --- studies -----------------------------------------------------------------------------------
+
+    def create_study(self, spec: StudySpec, workdir: Path | None = None) -> Study:
+        files: dict[str, Any] = {"spec": (None, spec.model_dump_json(), "application/json")}
+        if workdir is not None:
+            files["bundle"] = ("bundle.tar.gz", pack_workdir(workdir), "application/gzip")
+        return Study.model_validate_json(self._request("POST", "/studies", files=files).content)
+
+    def create_study_file(self, path: str | Path) -> Study:
+        spec, workdir = load_study_file(path)
+        return self.create_study(spec, workdir)
+
+    def list_studies(self, state: str | None = None, limit: int = 100) -> list[Study]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        return self._list(Study, "/studies", params=params)
+
+    def get_study(self, study_id: int) -> StudyDetail:
+        return self._get(StudyDetail, f"/studies/{study_id}")
+
+    def get_study_change(self, study_id: int, version: str, wait: float = 20.0) -> StudyDetail:
+        """The study once it (or a trial) differs from `version`, or after `wait` seconds (long-poll)."""
+        params = {"version": version, "wait": wait}
+        return self._get(StudyDetail, f"/studies/{study_id}", params=params, timeout=wait + 15)
+
+    def wait_study(self, study_id: int, timeout: float | None = None) -> StudyDetail:
+        """Block until the study is no longer RUNNING (COMPLETED, FAILED or STOPPED); TimeoutError
+        after `timeout` seconds. Long-polls: the server answers as soon as a trial changes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        study = self.get_study(study_id)
+        while study.state is StudyState.RUNNING:
+            remaining = 20.0 if deadline is None else min(20.0, deadline - time.monotonic())
+            if remaining <= 0:
+                raise TimeoutError(f"study {study_id} is still RUNNING after {timeout} s")
+            study = self.get_study_change(study_id, study.version, wait=remaining)
+        return study
+
+    def stop_study(self, study_id: int) -> Study:
+        return Study.model_validate_json(self._request("POST", f"/studies/{study_id}/stop").content)
+
+    def resume_study(self, study_id: int) -> Study:
+        return Study.model_validate_json(self._request("POST", f"/studies/{study_id}/resume").content)
+
+    def best_trials(self, study_id: int) -> StudyBest:
+        return self._get(StudyBest, f"/studies/{study_id}/best")
+
+    def param_importances(self, study_id: int, method: str = "ped_anova") -> ParamImportances:
+        return self._get(ParamImportances, f"/studies/{study_id}/importance", params={"method": method})
 
     # --- admin ------------------------------------------------------------------------------------
 

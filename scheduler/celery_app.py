@@ -17,6 +17,7 @@ from server.settings import Settings
 
 SCHEDULE_TASK = "phalanx.schedule"
 REAP_TASK = "phalanx.reap"
+STUDIES_TASK = "phalanx.advance_studies"
 
 
 def broker_options(settings: Settings) -> dict[str, Any]:
@@ -60,5 +61,10 @@ def make_celery(settings: Settings) -> Celery:
 
 
 def periodic_passes(settings: Settings) -> list[Periodic]:
-    """What beat would run: placement as a safety net for lost kicks, and the reaper."""
-    return [Periodic(SCHEDULE_TASK, settings.schedule_interval), Periodic(REAP_TASK, settings.heartbeat_interval)]
+    """What beat would run: placement and study passes as a safety net for lost kicks (and study
+    timeouts), and the reaper."""
+    return [
+        Periodic(SCHEDULE_TASK, settings.schedule_interval),
+        Periodic(REAP_TASK, settings.heartbeat_interval),
+        Periodic(STUDIES_TASK, settings.schedule_interval),
+    ]

@@ -13,7 +13,7 @@ from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
 from server import auth
-from server.api import agents, allocations, jobs, ops, tokens
+from server.api import agents, allocations, jobs, ops, studies, tokens
 from server.api.deps import get_principal
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
@@ -60,7 +60,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     app = FastAPI(
         title="Phalanx",
         version="0.1.0",
-        description="Distributed PyTorch training: jobs, agents, metrics and logs.",
+        description="Distributed PyTorch training: jobs, hyperparameter studies, agents, metrics and logs.",
         lifespan=lifespan,
     )
     app.state.settings = settings
@@ -68,9 +68,10 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     app.state.token_cache = auth.TokenCache()
     app.state.publisher = Publisher(settings.redis_url, settings.wake_dir)
     app.state.waiter = waiter
-    wake_job_watchers_after_commit(app.state.sessions, app.state.publisher)
     app.state.enqueue = enqueue or _enqueuer(settings)
     app.state.kick_scheduler = lambda: app.state.enqueue("phalanx.schedule")
+    app.state.drive_study = lambda study_id: app.state.enqueue("phalanx.advance_study", study_id)
+    wake_job_watchers_after_commit(app.state.sessions, app.state.publisher, drive_study=app.state.drive_study)
     app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
     registry = CollectorRegistry()
     registry.register(ops.StateCollector(app.state.sessions))
@@ -84,7 +85,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
 
     # Authenticated by default: every /api/v1 route needs a bearer token.
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(get_principal)])
-    for module in (jobs, agents, allocations, tokens):
+    for module in (jobs, studies, agents, allocations, tokens):
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(ops.router)

@@ -30,7 +30,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
-        _sqlite_pragmas(engine)
+        sqlite_pragmas(engine)
         return engine
     if "poolclass" not in kwargs:
         kwargs.setdefault("pool_size", 10)
@@ -38,7 +38,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     return create_engine(url, pool_pre_ping=True, **kwargs)
 
 
-def _sqlite_pragmas(engine: Engine) -> None:
+def sqlite_pragmas(engine: Engine) -> None:
     # pysqlite's own transaction handling defers BEGIN and upgrades read locks to write locks late,
     # which deadlocks two writers; take the write lock up front instead (SQLAlchemy's recipe).
     @event.listens_for(engine, "connect")
@@ -83,9 +83,14 @@ def alembic_config(url: str) -> Any:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
+    """Phalanx's migrations, then Optuna's tables (studies keep their trials there)."""
     from alembic import command
 
+    from server import tuning
+
     command.upgrade(alembic_config(url), revision)
+    if revision == "head":
+        tuning.ensure_schema(url)
 
 
 def head_revision() -> str:
@@ -113,6 +118,9 @@ def check_schema(url: str) -> None:
             f"the database {state}, but this Phalanx needs revision {head}. "
             "Run `phalanx db upgrade` (with the same PHALANX_DATABASE_URL) and start again."
         )
+    from server import tuning
+
+    tuning.check_schema(url)
 
 
 SERVER_STARTED = "server_started"

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from phalanx.schemas import JobState
+from phalanx.schemas import JobState, StudyState
 
 
 class PhalanxError(Exception):
@@ -48,6 +48,12 @@ class Unprocessable(PhalanxError):
 class IllegalTransition(Conflict):
     def __init__(self, job_id: int, current: JobState, target: JobState) -> None:
         super().__init__(f"job {job_id} is {current.value} and cannot become {target.value}")
+        self.current, self.target = current, target
+
+
+class IllegalStudyTransition(Conflict):
+    def __init__(self, study_id: int, current: StudyState, target: StudyState) -> None:
+        super().__init__(f"study {study_id} is {current.value} and cannot become {target.value}")
         self.current, self.target = current, target
 
 

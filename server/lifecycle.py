@@ -43,16 +43,33 @@ def live_agents(session: Session) -> list[Agent]:
     return list(session.scalars(select(Agent).where(Agent.state != "LOST").order_by(Agent.id)))
 
 
-def create_job(session: Session, spec: JobSpec, owner_id: int, bundle_sha256: str | None, bundle_size: int) -> Job:
+def check_fits(session: Session, spec: JobSpec, what: str) -> None:
+    """Refuse (422) a job that no set of the registered agents could ever host."""
     res = spec.resources
     reason = never_fits(
         res.nodes, res.slots_per_node, res.slot_type.value, agent_slot_views(session, live_agents(session))
     )
     if reason is not None:
         raise Unprocessable(
-            f"job {spec.name!r} can never be placed: {reason}. Lower resources.nodes or "
+            f"{what} can never be placed: {reason}. Lower resources.nodes or "
             "resources.slots_per_node, or register agents with more slots first."
         )
+
+
+def create_job(
+    session: Session,
+    spec: JobSpec,
+    owner_id: int,
+    bundle_sha256: str | None,
+    bundle_size: int,
+    *,
+    refuse_misfit: bool = True,
+) -> Job:
+    """A QUEUED job. `refuse_misfit=False` for trials: their study was checked when it was created,
+    and a trial waits (saying why) rather than fail while agents are gone."""
+    if refuse_misfit:
+        check_fits(session, spec, f"job {spec.name!r}")
+    res = spec.resources
     job = Job(
         name=spec.name,
         owner_id=owner_id,
@@ -251,6 +268,11 @@ def kill_job(session: Session, job: Job, reason: str = "cancelled by user") -> s
     if JobState(job.state).is_terminal:
         raise Conflict(f"job {job.id} already ended as {job.state}; nothing to kill")
     return _stop_for_user(session, job, JobState.CANCELLED, reason, fence=True)
+
+
+def prune_job(session: Session, job: Job, reason: str) -> set[int]:
+    """Optuna's pruner stopped the trial: PRUNED at once; SIGTERM lets the script checkpoint."""
+    return _stop_for_user(session, job, JobState.PRUNED, reason, fence=False)
 
 
 def pause_job(session: Session, job: Job) -> set[int]:

@@ -275,3 +275,55 @@ class LogLine(Base):
     stream: Mapped[str] = mapped_column(String(8))
     time: Mapped[datetime] = mapped_column(DateTime)
     line: Mapped[str] = mapped_column(Text)
+
+
+class TuningStudy(Base):
+    """A hyperparameter study. Optuna's own tables (`studies`, `trials`, ...) in the same database
+    hold its trials' parameters and values; this row holds what Phalanx adds: who, the spec, the
+    code bundle of its trials, and the study's lifecycle (changed only by `server.transitions`)."""
+
+    __tablename__ = "tuning_studies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    optuna_name: Mapped[str] = mapped_column(String(128), unique=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str | None] = mapped_column(Text)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64))
+    bundle_size: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # The study's running time (for `timeout`) without the time it spent STOPPED.
+    running_since: Mapped[datetime | None] = mapped_column(DateTime)
+    running_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+
+    owner: Mapped[User] = relationship()
+    trials: Mapped[list[TuningTrial]] = relationship(
+        order_by="TuningTrial.number", cascade="all, delete-orphan", back_populates="study"
+    )
+
+
+class TuningTrial(Base):
+    """One Optuna trial and the job that runs it. `state` is what Phalanx last told Optuna
+    (RUNNING until the job ends); `reported_step` is the newest intermediate value reported."""
+
+    __tablename__ = "tuning_trials"
+    __table_args__ = (UniqueConstraint("study_id", "number"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("tuning_studies.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    optuna_trial_id: Mapped[int] = mapped_column(Integer, unique=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16))
+    values: Mapped[list[float] | None] = mapped_column(JSON)
+    reported_step: Mapped[int | None] = mapped_column(BigInteger)
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    study: Mapped[TuningStudy] = relationship(back_populates="trials")
+    job: Mapped[Job] = relationship()

@@ -1,8 +1,11 @@
-"""The only code that changes a job's state.
+"""The only code that changes a job's or a study's state.
 
 Each rule names the states it moves between; `transition` refuses everything else, records a
 `JobEvent` with the reason, and keeps the job's timestamps in step. Callers own the transaction;
-watchers of the job (`GET /jobs/{id}?state=…&wait=…`) are woken once it commits.
+watchers of the job (`GET /jobs/{id}?state=…&wait=…`) are woken once it commits, and so are the
+watchers of its study when it is a trial; a trial job that ended also gets its study's driver
+enqueued after the commit (`wakeups.wake_job_watchers_after_commit`). `transition_study` does the
+same for studies.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from phalanx.schemas import JobState
-from server.errors import IllegalTransition
-from server.models import Job, JobEvent, utcnow
-from server.wakeups import note_job_change
+from phalanx.schemas import JobState, StudyState
+from server.errors import IllegalStudyTransition, IllegalTransition
+from server.models import Job, JobEvent, TuningStudy, TuningTrial, utcnow
+from server.wakeups import note_job_change, note_study_change
 
 S = JobState
 
@@ -56,3 +59,34 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
     session.add(JobEvent(job_id=job.id, time=now, from_state=current.value, to_state=target.value, reason=reason))
     session.flush()
     note_job_change(session, job.id)
+    study_id = session.execute(select(TuningTrial.study_id).where(TuningTrial.job_id == job.id)).scalar_one_or_none()
+    if study_id is not None:
+        note_study_change(session, study_id, trial_ended=target.is_terminal)
+
+
+STUDY_ALLOWED: dict[StudyState, frozenset[StudyState]] = {
+    StudyState.RUNNING: frozenset({StudyState.STOPPED, StudyState.COMPLETED, StudyState.FAILED}),
+    StudyState.STOPPED: frozenset({StudyState.RUNNING}),
+    StudyState.COMPLETED: frozenset(),
+    StudyState.FAILED: frozenset(),
+}
+
+
+def transition_study(session: Session, study: TuningStudy, target: StudyState, reason: str) -> None:
+    """Move `study` to `target`, or raise `IllegalStudyTransition` leaving it untouched. Keeps
+    its running time (what `timeout` counts) without the time it spent STOPPED."""
+    current = StudyState(study.state)
+    if target not in STUDY_ALLOWED[current]:
+        raise IllegalStudyTransition(study.id, current, target)
+    now: datetime = session.execute(select(utcnow())).scalar_one()
+    if current is StudyState.RUNNING and study.running_since is not None:
+        study.running_seconds += (now - study.running_since).total_seconds()
+        study.running_since = None
+    if target is StudyState.RUNNING:
+        study.running_since = now
+    if target.is_terminal:
+        study.ended_at = now
+    study.state = target.value
+    study.reason = reason
+    session.flush()
+    note_study_change(session, study.id)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import Counter
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server.models import Agent, Allocation, Checkpoint, Job, LogLine, SlotLease
+from server.models import Agent, Allocation, Checkpoint, Job, LogLine, SlotLease, TuningStudy, TuningTrial
 
 
 def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:
     metrics, step = latest_metrics(session, row.id) if latest else ({}, None)
+    trial = session.execute(
+        select(TuningTrial.study_id, TuningTrial.number).where(TuningTrial.job_id == row.id)
+    ).one_or_none()
     return schemas.Job(
         id=row.id,
         name=row.name,
@@ -28,6 +35,8 @@ def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:
         infra_restarts_used=row.infra_restarts_used,
         latest_metrics=metrics,
         latest_step=step,
+        study_id=trial.study_id if trial else None,
+        trial_number=trial.number if trial else None,
     )
 
 
@@ -136,4 +145,88 @@ def checkpoint(row: Checkpoint) -> schemas.CheckpointView:
         path=row.path,
         state=row.state,
         created_at=row.created_at,
+    )
+
+
+# --- studies ---------------------------------------------------------------------------------
+
+
+def _dominates(a: list[float], b: list[float], signs: list[float]) -> bool:
+    """`a` is at least as good as `b` in every objective and better in one (signs: +1 minimise)."""
+    pairs = [(x * s, y * s) for x, y, s in zip(a, b, signs, strict=True)]
+    return all(x <= y for x, y in pairs) and any(x < y for x, y in pairs)
+
+
+def _trial_views(spec: schemas.StudySpec, rows: list[tuple[TuningTrial, str]]) -> list[schemas.TrialView]:
+    signs = [1.0 if o.direction is schemas.Direction.MINIMIZE else -1.0 for o in spec.objectives]
+    complete = [t for t, _ in rows if t.state == schemas.TrialState.COMPLETE.value and t.values]
+    best_ids: set[int] = set()
+    if len(signs) == 1 and complete:
+        # Optuna's rule: the best value, the lowest trial number among equals
+        best_ids = {min(complete, key=lambda t: (t.values[0] * signs[0], t.number)).id}  # type: ignore[index]
+    else:
+        best_ids = {
+            t.id
+            for t in complete
+            if not any(_dominates(o.values or [], t.values or [], signs) for o in complete if o is not t)
+        }
+    views, best = [], None
+    for trial, job_state in rows:
+        if len(signs) == 1 and trial.id in {t.id for t in complete}:
+            value = trial.values[0]  # type: ignore[index]
+            best = value if best is None or value * signs[0] < best * signs[0] else best
+        views.append(
+            schemas.TrialView(
+                number=trial.number,
+                job_id=trial.job_id,
+                job_state=schemas.JobState(job_state),
+                state=schemas.TrialState(trial.state),
+                params=trial.params,
+                values=trial.values,
+                last_step=trial.reported_step,
+                reason=trial.reason,
+                best=trial.id in best_ids,
+                best_so_far=best if len(signs) == 1 else None,
+                created_at=trial.created_at,
+                ended_at=trial.ended_at,
+            )
+        )
+    return views
+
+
+def study_trials(session: Session, study_id: int) -> list[tuple[TuningTrial, str]]:
+    """The study's trials with their jobs' states, by number."""
+    rows = session.execute(
+        select(TuningTrial, Job.state)
+        .join(Job, Job.id == TuningTrial.job_id)
+        .where(TuningTrial.study_id == study_id)
+        .order_by(TuningTrial.number)
+    )
+    return [(trial, state) for trial, state in rows]
+
+
+def study(session: Session, row: TuningStudy) -> schemas.Study:
+    return schemas.Study.model_validate(study_detail(session, row).model_dump(exclude={"trials", "version"}))
+
+
+def study_detail(session: Session, row: TuningStudy) -> schemas.StudyDetail:
+    spec = schemas.StudySpec.model_validate(row.spec)
+    trials = _trial_views(spec, study_trials(session, row.id))
+    best = [t for t in trials if t.best]
+    fingerprint = [row.state, row.reason, *((t.number, t.state, t.job_state, t.values, t.last_step) for t in trials)]
+    return schemas.StudyDetail(
+        id=row.id,
+        name=row.name,
+        state=schemas.StudyState(row.state),
+        reason=row.reason,
+        owner=row.owner.name,
+        spec=spec,
+        optuna_study_name=row.optuna_name,
+        created_at=row.created_at,
+        ended_at=row.ended_at,
+        trial_counts=dict(Counter(t.state.value for t in trials)),
+        best_values=best[0].values if len(best) == 1 else None,
+        best_trial=best[0].number if len(best) == 1 else None,
+        version=hashlib.sha1(json.dumps(fingerprint, default=str).encode()).hexdigest()[:16],
+        trials=trials,
     )

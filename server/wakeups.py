@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 
 _CHANGED_JOBS = "phalanx.changed_jobs"
+_CHANGED_STUDIES = "phalanx.changed_studies"
+_ENDED_TRIAL_STUDIES = "phalanx.ended_trial_studies"
 
 
 def agent_channel(agent_id: int) -> str:
@@ -51,9 +53,21 @@ def job_channel(job_id: int) -> str:
     return f"job:{job_id}"
 
 
+def study_channel(study_id: int) -> str:
+    return f"study:{study_id}"
+
+
 def note_job_change(session: Session, job_id: int) -> None:
     """Remember that `job_id` changed state in this session's transaction (published on commit)."""
     session.info.setdefault(_CHANGED_JOBS, set()).add(job_id)
+
+
+def note_study_change(session: Session, study_id: int, *, trial_ended: bool = False) -> None:
+    """Remember that the study or one of its trials changed (published on commit); `trial_ended`:
+    a trial job reached a terminal state, so the study's driver must run (enqueued on commit)."""
+    session.info.setdefault(_CHANGED_STUDIES, set()).add(study_id)
+    if trial_ended:
+        session.info.setdefault(_ENDED_TRIAL_STUDIES, set()).add(study_id)
 
 
 class Publisher:
@@ -77,18 +91,28 @@ class Publisher:
             log.warning("wake-up publish failed: %s", exc)
 
 
-def wake_job_watchers_after_commit(sessions: sessionmaker[Session], publisher: Publisher) -> None:
-    """Publish `job_channel` for every job whose state a session committed (dropped on rollback)."""
+def wake_job_watchers_after_commit(
+    sessions: sessionmaker[Session], publisher: Publisher, drive_study: Callable[[int], None] | None = None
+) -> None:
+    """Publish `job_channel` for every job whose state a session committed and `study_channel` for
+    every study it changed; call `drive_study(id)` for studies one of whose trial jobs ended (so
+    the driver tells Optuna and starts the next trial at once). Dropped on rollback."""
 
     @orm_event.listens_for(sessions, "after_commit")
     def _publish(session: Session) -> None:
-        changed = session.info.pop(_CHANGED_JOBS, None)
-        if changed:
-            publisher.publish(job_channel(job_id) for job_id in changed)
+        jobs = session.info.pop(_CHANGED_JOBS, None) or set()
+        studies = session.info.pop(_CHANGED_STUDIES, None) or set()
+        ended = session.info.pop(_ENDED_TRIAL_STUDIES, None) or set()
+        if jobs or studies:
+            publisher.publish([*(job_channel(j) for j in jobs), *(study_channel(s) for s in studies)])
+        if drive_study is not None:
+            for study_id in ended:
+                drive_study(study_id)
 
     @orm_event.listens_for(sessions, "after_rollback")  # the real one: a savepoint's keeps the outer changes
     def _forget(session: Session) -> None:
-        session.info.pop(_CHANGED_JOBS, None)
+        for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES):
+            session.info.pop(key, None)
 
 
 class Waiter:

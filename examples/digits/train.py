@@ -36,16 +36,25 @@ def checksum(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, ctx: pt.Context) -> float:
+def evaluate(model: nn.Module, loader: DataLoader, ctx: pt.Context) -> tuple[float, bool]:
+    """Validation accuracy, and whether any rank was asked to stop (pruned, paused, preempted):
+    the flag rides on the same all_reduce, so every rank leaves after the same epoch."""
     model.eval()
-    counts = torch.zeros(2, device=ctx.device)  # correct, total
+    counts = torch.zeros(3, device=ctx.device)  # correct, total, stop requests
     for x, y in loader:
-        counts += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], device=ctx.device)
+        counts[:2] += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], device=ctx.device)
+    counts[2] = float(ctx.should_stop())
     if ctx.world_size > 1:  # each rank saw its own shard of the validation set
         dist.all_reduce(counts)
     model.train()
-    return (counts[0] / counts[1]).item()
+    return (counts[0] / counts[1]).item(), bool(counts[2] > 0)
 
 
 def main() -> None:
@@ -55,12 +64,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     args = parser.parse_args()
     ctx = pt.init()
     # The job file's hyperparameters win; the flags still work for a plain `python train.py`.
     lr = float(ctx.hparams.get("lr", args.lr))
     hidden = int(ctx.hparams.get("hidden", args.hidden))
     batch_size = int(ctx.hparams.get("batch_size", args.batch_size))
+    optimizer_name = str(ctx.hparams.get("optimizer", args.optimizer))
     print(f"rank {ctx.rank} of {ctx.world_size} on {ctx.device}: lr={lr} hidden={hidden}", flush=True)
 
     # A model this small runs fastest on one thread, and float sums then come out the same on
@@ -73,7 +84,7 @@ def main() -> None:
         DataLoader(train_set, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
     )
     val_loader = ctx.prepare_data_loader(DataLoader(val_set, batch_size=256))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = make_optimizer(optimizer_name, model, lr)
     loss_fn = nn.CrossEntropyLoss()
 
     start_epoch, global_step, train_seconds = 0, 0, 0.0
@@ -103,8 +114,8 @@ def main() -> None:
                 if ctx.rank == 0:
                     print(f"phalanx-first-step {time.time():.3f}", flush=True)
         train_seconds += time.perf_counter() - epoch_start
-        accuracy = evaluate(model, val_loader, ctx)
-        if (epoch + 1) % args.checkpoint_every == 0 or epoch + 1 == args.epochs:
+        accuracy, stop = evaluate(model, val_loader, ctx)
+        if (epoch + 1) % args.checkpoint_every == 0 or epoch + 1 == args.epochs or stop:
             state = {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -117,6 +128,9 @@ def main() -> None:
             ctx.report({"val_accuracy": accuracy}, step=global_step)
         if ctx.rank == 0:
             print(f"epoch {epoch} loss {loss_sum.item() / seen:.4f} val_accuracy {accuracy:.4f}", flush=True)
+        if stop:  # checkpointed above: a resumed attempt carries on from this epoch
+            print(f"rank {ctx.rank} stops after epoch {epoch}: asked to stop", flush=True)
+            break
 
     if ctx.rank == 0:
         print(f"final-checksum: {checksum(model)}")

@@ -32,6 +32,12 @@ def checksum(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> float:
     model.eval()
@@ -48,6 +54,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     args = parser.parse_args()
     lr, hidden, batch_size = args.lr, args.hidden, args.batch_size
 
@@ -61,7 +68,7 @@ def main() -> None:
         train_set, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
     val_loader = DataLoader(val_set, batch_size=256)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, model, lr)
     loss_fn = nn.CrossEntropyLoss()
 
     for epoch in range(args.epochs):

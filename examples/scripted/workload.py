@@ -8,6 +8,8 @@
     hang_rank     this rank sleeps forever at hang_step, deaf to SIGTERM like a rank stuck in
     hang_step     a collective: its peers notice at the process-group timeout (default: none)
     report        report {"step_value": step} every step (default true)
+    x             also report loss = (x - 0.3)^2 + 1 / (step + 1) every step: an objective for
+                  studies, best at x = 0.3 (default: none)
     checkpoint_every  save a checkpoint every N steps (default: never); a restarted attempt
     checkpoint_mb     resumes after the newest one. Its size in MiB (default 1).
 
@@ -39,6 +41,7 @@ def main() -> int:
     hang_rank = hp.get("hang_rank")
     hang_step = int(hp.get("hang_step", 0))
     report = bool(hp.get("report", True))
+    x = hp.get("x")
     checkpoint_every = int(hp.get("checkpoint_every") or 0)
     checkpoint_mb = float(hp.get("checkpoint_mb", 1))
     start = 0
@@ -72,7 +75,10 @@ def main() -> int:
 
         print(f"step {step} rank {ctx.rank}", flush=True)
         if report:
-            ctx.report({"step_value": step}, step=step)
+            values = {"step_value": step}
+            if x is not None:
+                values["loss"] = (float(x) - 0.3) ** 2 + 1 / (step + 1)
+            ctx.report(values, step=step)
         if checkpoint_every and step % checkpoint_every == 0:
             blob = torch.full((int(checkpoint_mb * 2**18),), float(step))  # float32: 4 bytes each
             ctx.save_checkpoint({"step": step, "blob": blob}, step=step)

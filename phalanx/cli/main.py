@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from phalanx.client import ApiError, Client, SpecError
-from phalanx.schemas import Job, JobDetail, JobState
+from phalanx.schemas import Job, JobDetail, JobState, Study, StudyDetail, StudyState
 
 app = typer.Typer(
     help="Phalanx: distributed PyTorch training on your own machines.",
@@ -31,11 +31,15 @@ agents_app = typer.Typer(help="Inspect agents (the nodes that run workers).", no
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 tokens_app = typer.Typer(help="Mint API tokens (admin).", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
+studies_app = typer.Typer(
+    help="Hyperparameter studies: Optuna drives the trials, each one a job.", no_args_is_help=True
+)
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(agents_app, name="agents")
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
 app.add_typer(checkpoints_app, name="checkpoints")
+app.add_typer(studies_app, name="studies")
 
 console = Console()
 err = Console(stderr=True)
@@ -546,6 +550,175 @@ def tokens_create(
         print_json(created)
     else:
         console.print(f"{created.kind} token for {created.name} (shown once): {created.token}")
+
+
+# --- studies -----------------------------------------------------------------------------------
+
+
+def _fmt_value(values: list[float] | None) -> str:
+    return "-" if not values else ", ".join(f"{v:.5g}" for v in values)
+
+
+def _fmt_params(params: dict[str, Any]) -> str:
+    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _counts(study: Study) -> str:
+    return "  ".join(f"{state.lower()} {n}" for state, n in sorted(study.trial_counts.items())) or "no trials yet"
+
+
+def trials_table(study: StudyDetail) -> Table:
+    table = Table(title=f"study {study.id} · {study.name} · {study.state.value}", caption=_counts(study))
+    for column in ("trial", "job", "state", "value", "best so far", "step", "params", "note"):
+        table.add_column(column)
+    for trial in study.trials:
+        mark = " [bold green]★[/]" if trial.best else ""
+        state = trial.state.value if trial.state.value != "RUNNING" else trial.job_state.value.lower()
+        table.add_row(
+            f"{trial.number}{mark}",
+            str(trial.job_id),
+            state,
+            _fmt_value(trial.values),
+            "-" if trial.best_so_far is None else f"{trial.best_so_far:.5g}",
+            "-" if trial.last_step is None else str(trial.last_step),
+            _fmt_params(trial.params),
+            trial.reason or "",
+        )
+    return table
+
+
+def follow_study(client: Client, study_id: int) -> StudyDetail:
+    """The trials table, live (long-polled: it changes when a trial does) until the study ends."""
+    from rich.live import Live
+
+    study = client.get_study(study_id)
+    with Live(trials_table(study), console=console, refresh_per_second=4) as live:
+        while study.state is StudyState.RUNNING:
+            study = client.get_study_change(study_id, study.version, wait=20.0)
+            live.update(trials_table(study))
+    colour = "green" if study.state is StudyState.COMPLETED else "red"
+    console.print(
+        f"study {study.id} [bold {colour}]{study.state.value}[/]" + (f": {study.reason}" if study.reason else "")
+    )
+    return study
+
+
+@studies_app.command("create")
+def studies_create(
+    file: Annotated[Path, typer.Argument(help="A study file (YAML).")],
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the trials and exit with the outcome.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a study; its trials' workdir is uploaded with it."""
+    from phalanx.client import load_study_file
+
+    with api() as client:
+        try:
+            spec, workdir = load_study_file(file)
+        except SpecError as exc:
+            fail(str(exc), 2)
+        study = client.create_study(spec, workdir)
+        if as_json and not wait:
+            print_json({"id": study.id, "name": study.name, "state": study.state.value})
+            return
+        if not as_json:
+            console.print(f"created study [bold]{study.id}[/] ({study.name}); `phalanx studies show {study.id}`")
+        if wait:
+            final = client.wait_study(study.id) if as_json else follow_study(client, study.id)
+            if as_json:
+                print_json({"id": final.id, "name": final.name, "state": final.state.value, "reason": final.reason})
+            raise typer.Exit(0 if final.state is StudyState.COMPLETED else 1)
+
+
+@studies_app.command("list")
+def studies_list(
+    state: Annotated[StudyState | None, typer.Option(help="Only studies in this state.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List studies, newest first."""
+    with api() as client:
+        rows = client.list_studies(state.value if state else None)
+    if as_json:
+        print_json(rows)
+        return
+    table = Table()
+    for column in ("id", "name", "state", "owner", "trials", "best", "objective", "note"):
+        table.add_column(column)
+    for study in rows:
+        objective = ", ".join(f"{o.direction.value} {o.metric}" for o in study.spec.objectives)
+        best = "-" if study.best_trial is None else f"{_fmt_value(study.best_values)} (trial {study.best_trial})"
+        done = sum(study.trial_counts.values())
+        table.add_row(
+            str(study.id),
+            study.name,
+            study.state.value,
+            study.owner,
+            f"{done}/{study.spec.n_trials}",
+            best,
+            objective,
+            study.reason or "",
+        )
+    console.print(table)
+
+
+@studies_app.command("show")
+def studies_show(study_id: int, as_json: JsonOpt = False) -> None:
+    """A study's trials (best marked ★), its best value so far and each parameter's importance."""
+    with api() as client:
+        study = client.get_study(study_id)
+        importance = None
+        if not study.spec.multi_objective:
+            importance = client.param_importances(study_id)
+    if as_json:
+        print_json({**study.model_dump(mode="json"), "importance": importance.model_dump() if importance else None})
+        return
+    objective = ", ".join(f"{o.direction.value} {o.metric}" for o in study.spec.objectives)
+    console.print(f"[bold]study {study.id}[/] {study.name}  state [bold]{study.state.value}[/]  {objective}")
+    if study.reason:
+        console.print(f"reason: {study.reason}")
+    console.print(f"optuna study: {study.optuna_study_name} (optuna-dashboard <PHALANX_DATABASE_URL> shows it)")
+    console.print(trials_table(study))
+    if importance is not None:
+        if importance.importances:
+            shares = "  ".join(f"{name} {share:.2f}" for name, share in importance.importances.items())
+            console.print(f"parameter importance ({importance.method}): {shares}")
+        elif importance.note:
+            console.print(f"parameter importance: {importance.note}")
+
+
+@studies_app.command("best")
+def studies_best(study_id: int, as_json: JsonOpt = False) -> None:
+    """The best trial (every trial on the Pareto front for several objectives)."""
+    with api() as client:
+        best = client.best_trials(study_id)
+    if as_json:
+        print_json(best)
+        return
+    for trial in best.trials:
+        console.print(
+            f"trial {trial.number} (job {trial.job_id}): {_fmt_value(trial.values)}  {_fmt_params(trial.params)}"
+        )
+
+
+@studies_app.command("stop")
+def studies_stop(study_id: int, as_json: JsonOpt = False) -> None:
+    """Start no more trials; the running ones checkpoint and pause until `studies resume`."""
+    with api() as client:
+        _print_study_state(client.stop_study(study_id), as_json)
+
+
+@studies_app.command("resume")
+def studies_resume(study_id: int, as_json: JsonOpt = False) -> None:
+    """Resume the paused trials from their checkpoints and go on to n_trials."""
+    with api() as client:
+        _print_study_state(client.resume_study(study_id), as_json)
+
+
+def _print_study_state(study: Study, as_json: bool) -> None:
+    if as_json:
+        print_json({"id": study.id, "state": study.state.value})
+    else:
+        console.print(f"study {study.id} {study.state.value}")
 
 
 if __name__ == "__main__":

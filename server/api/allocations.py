@@ -5,14 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
 
 from phalanx import schemas
 from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, SessionDep, SettingsDep, read_capped_body
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import first_delivery, insert_metrics, record_progress
-from server.models import Allocation
+from server.models import Allocation, TuningStudy, TuningTrial
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
 
@@ -26,24 +28,42 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
     except ValidationError as exc:
         raise Unprocessable(f"invalid metric batch: {exc.errors()[0]['msg']}", exc.errors()[:10]) from exc
 
-    def store() -> None:
+    def store() -> int | None:
+        """Store the batch; returns the study to drive when it carries a trial's objective."""
         with request.app.state.sessions() as session, session.begin():
             row = session.execute(
-                select(Allocation.job_id, Allocation.active, Allocation.fenced).where(Allocation.id == allocation_id)
+                select(Allocation.job_id, Allocation.active, Allocation.fenced, TuningTrial.study_id)
+                .outerjoin(TuningTrial, TuningTrial.job_id == Allocation.job_id)
+                .where(Allocation.id == allocation_id)
             ).one_or_none()
             if row is None:
                 raise NotFound(f"allocation {allocation_id} does not exist")
-            job_id, active, fenced = row
+            job_id, active, fenced, study_id = row
             if fenced or not active:
                 raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
             if batch.batch_id is not None and not first_delivery(session, allocation_id, batch.batch_id):
-                return  # a retry of a batch whose answer was lost: stored already
+                return None  # a retry of a batch whose answer was lost: stored already
             insert_metrics(session, job_id, allocation_id, batch.records)
             # last (a row lock until commit): progress for hang detection, and the latest values
             record_progress(session, allocation_id, batch.records)
+            if study_id is None:
+                return None
+            objectives = objective_metrics(request.app.state, session, study_id)
+        return study_id if any(objectives.intersection(r.values) for r in batch.records) else None
 
-    await run_in_threadpool(store)
+    study_id = await run_in_threadpool(store)
+    if study_id is not None:  # intermediate values for Optuna, and its pruner's verdict
+        request.app.state.drive_study(study_id)
     return Response(status_code=204)
+
+
+def objective_metrics(state: State, session: Session, study_id: int) -> frozenset[str]:
+    """The metrics a study optimises (specs never change: cached per process)."""
+    cache: dict[int, frozenset[str]] = state.__dict__.setdefault("study_objectives", {})
+    if study_id not in cache:
+        spec = session.execute(select(TuningStudy.spec).where(TuningStudy.id == study_id)).scalar_one()
+        cache[study_id] = frozenset(o.metric for o in schemas.StudySpec.model_validate(spec).objectives)
+    return cache[study_id]
 
 
 @router.post("/{allocation_id}/checkpoints", status_code=201, response_model=schemas.CheckpointView)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
-from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 from starlette.concurrency import run_in_threadpool
@@ -17,44 +13,12 @@ from starlette.concurrency import run_in_threadpool
 from phalanx import schemas
 from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
-from server.errors import NotFound, TooLarge, Unprocessable
+from server.api.uploads import parse_spec, refuse_oversized, store_bundle
+from server.errors import NotFound
 from server.models import Allocation, AllocationNode, Checkpoint, Job, LogLine, Metric
 from server.wakeups import agent_channel, job_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-
-
-def _parse_spec(raw: str) -> schemas.JobSpec:
-    try:
-        return schemas.JobSpec.model_validate_json(raw)
-    except ValidationError as exc:
-        problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in exc.errors()]
-        summary = "; ".join(f"{p['field'] or 'spec'}: {p['problem']}" for p in problems)
-        raise Unprocessable(f"invalid job spec: {summary}", problems) from exc
-
-
-def _store_bundle(settings: SettingsDep, bundle: UploadFile) -> tuple[str, int]:
-    """Copy the upload to the content-addressed bundle store, enforcing the size cap as it streams."""
-    settings.bundle_dir.mkdir(parents=True, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
-    fd, tmp = tempfile.mkstemp(dir=settings.bundle_dir, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            while chunk := bundle.file.read(1 << 20):
-                size += len(chunk)
-                if size > settings.max_bundle_bytes:
-                    raise TooLarge(
-                        f"the code bundle is over the {settings.max_bundle_bytes // 2**20} MiB cap; "
-                        "keep data sets out of the job's workdir"
-                    )
-                digest.update(chunk)
-                out.write(chunk)
-        sha = digest.hexdigest()
-        os.replace(tmp, settings.bundle_dir / f"{sha}.tar.gz")
-        return sha, size
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @router.post("", status_code=201, response_model=schemas.Job)
@@ -66,11 +30,9 @@ def submit_job(
     spec: Annotated[str, Form(description="The JobSpec as JSON")],
     bundle: Annotated[UploadFile | None, File(description="The workdir as .tar.gz")] = None,
 ) -> schemas.Job:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > settings.max_bundle_bytes + (1 << 20):
-        raise TooLarge(f"the upload is over the {settings.max_bundle_bytes // 2**20} MiB bundle cap")
-    job_spec = _parse_spec(spec)
-    sha, size = _store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    refuse_oversized(request, settings)
+    job_spec = parse_spec(schemas.JobSpec, spec, "job spec")
+    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     assert user.user_id is not None
     with session.begin():
         job = lifecycle.create_job(session, job_spec, user.user_id, sha, size)

@@ -1,0 +1,153 @@
+"""Hyperparameter studies: create, list, show (long-poll), stop, resume, best trials, importance."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+from starlette.concurrency import run_in_threadpool
+
+from phalanx import schemas
+from server import studies, views
+from server.api.deps import PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
+from server.api.uploads import parse_spec, refuse_oversized, store_bundle
+from server.errors import Conflict, Unprocessable
+from server.models import TuningStudy
+from server.wakeups import agent_channel, study_channel
+
+router = APIRouter(prefix="/studies", tags=["studies"])
+
+
+@router.post("", status_code=201, response_model=schemas.Study)
+def create_study(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: UserDep,
+    spec: Annotated[str, Form(description="The StudySpec as JSON")],
+    bundle: Annotated[UploadFile | None, File(description="The trials' workdir as .tar.gz")] = None,
+) -> schemas.Study:
+    """Validate the study (422 naming the field, nothing created) and start its driver."""
+    refuse_oversized(request, settings)
+    study_spec = parse_spec(schemas.StudySpec, spec, "study spec")
+    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    assert user.user_id is not None
+    with session.begin():
+        row = studies.create_study(session, study_spec, user.user_id, sha, size)
+        result = views.study(session, row)
+    request.app.state.drive_study(result.id)
+    return result
+
+
+@router.get("", response_model=list[schemas.Study])
+def list_studies(
+    session: SessionDep,
+    _: UserDep,
+    state: schemas.StudyState | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[schemas.Study]:
+    query = select(TuningStudy).options(selectinload(TuningStudy.owner)).order_by(TuningStudy.id.desc()).limit(limit)
+    if state is not None:
+        query = query.where(TuningStudy.state == state.value)
+    with session.begin():
+        return [views.study(session, row) for row in session.scalars(query)]
+
+
+def _detail(session: Session, study_id: int) -> schemas.StudyDetail:
+    with session.begin():
+        return views.study_detail(session, studies.get_study(session, study_id))
+
+
+@router.get("/{study_id}", response_model=schemas.StudyDetail)
+async def show_study(
+    study_id: int,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    waiter: WaiterDep,
+    _: UserDep,
+    version: Annotated[str | None, Query(description="With `wait`: answer once the study differs from it")] = None,
+    wait: Annotated[float, Query(ge=0, le=300, description="Seconds to hold the request (long-poll)")] = 0.0,
+) -> schemas.StudyDetail:
+    """The study with every trial; with `version` and `wait`, hangs until a trial or the study
+    changes (or `wait` passes), so a watcher need not poll."""
+
+    def load() -> schemas.StudyDetail:
+        with sessions() as session:
+            return _detail(session, study_id)
+
+    if version is None or wait <= 0:
+        return await run_in_threadpool(load)
+    return await waiter.until_changed(
+        study_channel(study_id), load, lambda detail: detail.version != version, min(wait, settings.work_poll_seconds)
+    )
+
+
+@router.post("/{study_id}/stop", response_model=schemas.Study)
+def stop_study(study_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Study:
+    """No new trials; running trials checkpoint and pause until `resume`."""
+    with session.begin():
+        row = studies.get_study(session, study_id, lock=True)
+        woken = studies.stop_study(session, row)
+        result = views.study(session, row)
+    publisher.publish(agent_channel(a) for a in woken)
+    return result
+
+
+@router.post("/{study_id}/resume", response_model=schemas.Study)
+def resume_study(study_id: int, request: Request, session: SessionDep, _: UserDep) -> schemas.Study:
+    """Resume the paused trials (from their checkpoints) and start new ones up to n_trials."""
+    with session.begin():
+        row = studies.get_study(session, study_id, lock=True)
+        studies.resume_study(session, row)
+        result = views.study(session, row)
+    request.app.state.kick_scheduler()
+    request.app.state.drive_study(study_id)
+    return result
+
+
+@router.get("/{study_id}/best", response_model=schemas.StudyBest)
+def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, _: UserDep) -> schemas.StudyBest:
+    """The best trial as Optuna reckons it, or the Pareto front of a multi-objective study."""
+    from server import tuning
+
+    detail = _detail(session, study_id)
+    if not any(t.state is schemas.TrialState.COMPLETE for t in detail.trials):
+        raise Conflict(f"study {study_id} has no COMPLETE trial yet; `phalanx studies show {study_id}` lists them")
+    study = tuning.load(settings.database_url, detail.optuna_study_name, detail.spec)
+    numbers = {t.number for t in study.best_trials}
+    return schemas.StudyBest(
+        study_id=study_id,
+        directions=[o.direction for o in detail.spec.objectives],
+        trials=[t for t in detail.trials if t.number in numbers],
+    )
+
+
+@router.get("/{study_id}/importance", response_model=schemas.ParamImportances)
+def param_importances(
+    study_id: int,
+    session: SessionDep,
+    settings: SettingsDep,
+    _: UserDep,
+    method: Annotated[str, Query(description="ped_anova (default) or fanova")] = "ped_anova",
+) -> schemas.ParamImportances:
+    """Each parameter's share of the objective's variation (Optuna's importance evaluators)."""
+    from server import tuning
+
+    if method not in tuning.IMPORTANCE_METHODS:
+        raise Unprocessable(f"method {method!r} is not one of {', '.join(tuning.IMPORTANCE_METHODS)}")
+    detail = _detail(session, study_id)
+    if detail.spec.multi_objective:
+        raise Unprocessable("parameter importance is computed for single-objective studies only")
+    complete = sum(t.state is schemas.TrialState.COMPLETE for t in detail.trials)
+    if complete < 2:
+        return schemas.ParamImportances(
+            study_id=study_id, method=method, importances={}, note=f"needs 2 COMPLETE trials; {complete} so far"
+        )
+    study = tuning.load(settings.database_url, detail.optuna_study_name, detail.spec)
+    try:
+        values = tuning.importances(study, method)
+    except (ValueError, RuntimeError) as exc:
+        return schemas.ParamImportances(study_id=study_id, method=method, importances={}, note=str(exc))
+    return schemas.ParamImportances(study_id=study_id, method=method, importances=values)

@@ -1,0 +1,142 @@
+"""Hyperparameter studies on Phalanx's side: create, stop, resume, end, and each trial's job.
+
+Every function takes the caller's session, flushes, never commits, never calls Optuna (the driver,
+`scheduler/study_driver.py`, does that outside Phalanx's transactions), and returns the agents to
+wake after the commit. State changes go through `server.transitions`. Lock order: the study row,
+then its trials' job rows, never the other way (a trial job's own transitions lock only the job).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from phalanx.schemas import TERMINAL_JOB_STATES, JobSpec, JobState, StudySpec, StudyState, TrialState
+from server import lifecycle
+from server.errors import Conflict, NotFound
+from server.models import Job, TuningStudy, TuningTrial
+from server.transitions import transition_study
+from server.wakeups import note_study_change
+
+ACTIVE_JOB_STATES = tuple(s.value for s in JobState if s not in TERMINAL_JOB_STATES)
+
+
+def optuna_study_name(study_id: int, name: str) -> str:
+    """The study's name in Optuna's tables (and so in optuna-dashboard)."""
+    return f"phalanx-{study_id}-{name}"
+
+
+def trial_job_spec(spec: StudySpec, number: int, params: dict[str, object]) -> JobSpec:
+    """The job of trial `number`: the template, named after the study, the sampled parameters
+    merged over the template's hyperparameters."""
+    template = spec.trial.model_dump(mode="json", exclude={"name"})
+    template["hyperparameters"] = {**spec.trial.hyperparameters, **params}
+    return JobSpec.model_validate({**template, "name": f"{spec.name}-t{number}"})
+
+
+def create_study(
+    session: Session, spec: StudySpec, owner_id: int, bundle_sha256: str | None, bundle_size: int
+) -> TuningStudy:
+    """A RUNNING study; its driver creates the Optuna study and the first trials. Raises
+    `Unprocessable` when no registered agents could ever host a trial."""
+    lifecycle.check_fits(session, trial_job_spec(spec, 0, {}), f"the trials of study {spec.name!r}")
+    study = TuningStudy(
+        name=spec.name,
+        owner_id=owner_id,
+        optuna_name=f"pending-{uuid.uuid4().hex}",  # unique until the id is known
+        state=StudyState.RUNNING.value,
+        spec=spec.model_dump(mode="json"),
+        bundle_sha256=bundle_sha256,
+        bundle_size=bundle_size,
+        running_seconds=0.0,
+    )
+    session.add(study)
+    session.flush()
+    study.optuna_name = optuna_study_name(study.id, spec.name)
+    study.running_since = study.created_at
+    session.flush()
+    return study
+
+
+def get_study(session: Session, study_id: int, *, lock: bool = False) -> TuningStudy:
+    query = select(TuningStudy).where(TuningStudy.id == study_id)
+    if lock:
+        query = query.with_for_update()
+    study = session.scalars(query).one_or_none()
+    if study is None:
+        raise NotFound(f"study {study_id} does not exist; `phalanx studies list` shows the studies you can see")
+    return study
+
+
+def create_trial(
+    session: Session, study: TuningStudy, number: int, optuna_trial_id: int, params: dict[str, object]
+) -> TuningTrial:
+    """Record an Optuna trial and queue its job."""
+    spec = StudySpec.model_validate(study.spec)
+    job = lifecycle.create_job(
+        session,
+        trial_job_spec(spec, number, params),
+        study.owner_id,
+        study.bundle_sha256,
+        study.bundle_size,
+        refuse_misfit=False,
+    )
+    trial = TuningTrial(
+        study_id=study.id,
+        number=number,
+        optuna_trial_id=optuna_trial_id,
+        job_id=job.id,
+        params=dict(params),
+        state=TrialState.RUNNING.value,
+    )
+    session.add(trial)
+    session.flush()
+    note_study_change(session, study.id)
+    return trial
+
+
+def active_trial_jobs(session: Session, study_id: int) -> list[Job]:
+    """The study's trial jobs that have not ended, locked, oldest first."""
+    return list(
+        session.scalars(
+            select(Job)
+            .join(TuningTrial, TuningTrial.job_id == Job.id)
+            .where(TuningTrial.study_id == study_id, Job.state.in_(ACTIVE_JOB_STATES))
+            .order_by(Job.id)
+            .with_for_update(of=Job)
+        )
+    )
+
+
+def stop_study(session: Session, study: TuningStudy) -> set[int]:
+    """No new trials; the running ones are paused (they checkpoint and leave) until `resume`."""
+    if study.state != StudyState.RUNNING.value:
+        raise Conflict(f"study {study.id} is {study.state}; only a RUNNING study can be stopped")
+    transition_study(session, study, StudyState.STOPPED, "stopped by user")
+    woken: set[int] = set()
+    for job in active_trial_jobs(session, study.id):
+        if job.state != JobState.PAUSED.value:
+            woken |= lifecycle.pause_job(session, job)
+    return woken
+
+
+def resume_study(session: Session, study: TuningStudy) -> None:
+    """Queue the paused trials again (each from its newest checkpoint) and let the driver go on."""
+    if study.state != StudyState.STOPPED.value:
+        raise Conflict(f"study {study.id} is {study.state}, not STOPPED; there is nothing to resume")
+    transition_study(session, study, StudyState.RUNNING, "resumed by user")
+    for job in active_trial_jobs(session, study.id):
+        if job.state == JobState.PAUSED.value:
+            lifecycle.resume_job(session, job)
+
+
+def end_study(session: Session, study: TuningStudy, target: StudyState, reason: str, *, cancel: bool) -> set[int]:
+    """COMPLETED or FAILED; with `cancel`, the trial jobs still in flight are cancelled."""
+    transition_study(session, study, target, reason)
+    woken: set[int] = set()
+    if cancel:
+        for job in active_trial_jobs(session, study.id):
+            woken |= lifecycle.kill_job(session, job, f"cancelled: study {study.id} ended ({reason})")
+    return woken

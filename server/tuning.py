@@ -1,0 +1,166 @@
+"""The bridge to Optuna: its storage in Phalanx's database, and a `StudySpec` as Optuna objects.
+
+Contract: Optuna's tables live in the same database as Phalanx's (its RDBStorage, so that
+optuna-dashboard pointed at PHALANX_DATABASE_URL shows the same trials). They are created by
+`phalanx db upgrade` (`ensure_schema`), never by a worker: `storage()` only opens them, and
+raises `SchemaOutOfDate` when they are missing. Optuna commits in its own transactions, so a caller
+never holds a Phalanx write transaction while it calls Optuna (on SQLite that would deadlock).
+Samplers are built per ask with a seed derived from the spec's and the trial's number: a pass
+that restarts (or a scheduler that was killed) draws the same sequence instead of repeating the
+first draw. Importing this module imports Optuna (≈0.4 s): only the server and the scheduler do.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.storages import RDBStorage
+from sqlalchemy import inspect
+
+from phalanx import schemas
+from server.db import SchemaOutOfDate, engine_for, sqlite_pragmas
+
+log = logging.getLogger(__name__)
+OPTUNA_MARKER_TABLE = "version_info"  # Optuna's schema version; present once its tables exist
+# Optuna's names of the objects it keeps per trial; optuna-dashboard shows both.
+FAIL_REASON_ATTR = "fail_reason"
+JOB_ID_ATTR = "phalanx_job_id"
+
+
+def optuna_study_name(study_id: int, name: str) -> str:
+    return f"phalanx-{study_id}-{name}"
+
+
+def _engine_kwargs(url: str) -> dict[str, Any]:
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 30, "check_same_thread": False}}
+    return {"pool_pre_ping": True, "pool_size": 4, "max_overflow": 4}
+
+
+def ensure_schema(url: str) -> None:
+    """Create Optuna's tables (or bring them to this Optuna's version). Migration time only."""
+    storage = RDBStorage(url, engine_kwargs=_engine_kwargs(url), skip_compatibility_check=True)
+    try:
+        if storage.get_current_version() != storage.get_head_version():
+            storage.upgrade()
+    finally:
+        storage.engine.dispose()
+
+
+def check_schema(url: str) -> None:
+    if OPTUNA_MARKER_TABLE not in inspect(engine_for(url)).get_table_names():
+        raise SchemaOutOfDate(
+            "the database has no Optuna tables (hyperparameter studies keep their trials there). "
+            "Run `phalanx db upgrade` (with the same PHALANX_DATABASE_URL) and start again."
+        )
+
+
+@lru_cache(maxsize=4)
+def storage(url: str) -> RDBStorage:
+    """This process's Optuna storage on `url` (thread-safe: Optuna scopes a session per thread)."""
+    check_schema(url)
+    rdb = RDBStorage(url, engine_kwargs=_engine_kwargs(url), skip_table_creation=True)
+    if url.startswith("sqlite"):
+        # the same write-lock-first transactions as Phalanx's own engine, or two writers deadlock
+        sqlite_pragmas(rdb.engine)
+        rdb.engine.dispose()
+    return rdb
+
+
+def distributions(spec: schemas.StudySpec) -> dict[str, BaseDistribution]:
+    result: dict[str, BaseDistribution] = {}
+    for name, param in spec.search_space.items():
+        if isinstance(param, schemas.FloatParam):
+            result[name] = FloatDistribution(param.low, param.high, log=param.log, step=param.step)
+        elif isinstance(param, schemas.IntParam):
+            result[name] = IntDistribution(param.low, param.high, log=param.log, step=param.step)
+        else:
+            result[name] = CategoricalDistribution(param.choices)
+    return result
+
+
+def directions(spec: schemas.StudySpec) -> list[optuna.study.StudyDirection]:
+    return [optuna.study.StudyDirection[o.direction.name] for o in spec.objectives]
+
+
+def _seed(seed: int | None, trial_number: int) -> int | None:
+    return None if seed is None else (seed * 1_000_003 + trial_number) % 2**32
+
+
+def sampler(spec: schemas.StudySpec, trial_number: int = 0) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, seeded for the trial about to be asked for."""
+    config = spec.sampler
+    seed = _seed(config.seed, trial_number)
+    if isinstance(config, schemas.TpeSampler):
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            n_startup_trials=config.n_startup_trials,
+            multivariate=config.multivariate,
+            constant_liar=config.constant_liar,
+        )
+    if isinstance(config, schemas.RandomSampler):
+        return optuna.samplers.RandomSampler(seed=seed)
+    if isinstance(config, schemas.GridSampler):
+        return optuna.samplers.GridSampler(spec.grid(), seed=config.seed)  # its order: one seed for all
+    if isinstance(config, schemas.CmaEsSampler):
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, n_startup_trials=config.n_startup_trials, sigma0=config.sigma0, warn_independent_sampling=False
+        )
+    if isinstance(config, schemas.GpSampler):
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=config.n_startup_trials)
+    return optuna.samplers.NSGAIISampler(seed=seed, population_size=config.population_size)
+
+
+def pruner(spec: schemas.StudySpec) -> optuna.pruners.BasePruner:
+    config = spec.pruner
+    if isinstance(config, schemas.MedianPruner):
+        return optuna.pruners.MedianPruner(config.n_startup_trials, config.n_warmup_steps, config.interval_steps)
+    if isinstance(config, schemas.PercentilePruner):
+        return optuna.pruners.PercentilePruner(
+            config.percentile, config.n_startup_trials, config.n_warmup_steps, config.interval_steps
+        )
+    if isinstance(config, schemas.SuccessiveHalvingPruner):
+        return optuna.pruners.SuccessiveHalvingPruner(
+            config.min_resource, config.reduction_factor, config.min_early_stopping_rate
+        )
+    if isinstance(config, schemas.HyperbandPruner):
+        return optuna.pruners.HyperbandPruner(config.min_resource, config.max_resource, config.reduction_factor)
+    return optuna.pruners.NopPruner()
+
+
+def load(url: str, optuna_name: str, spec: schemas.StudySpec) -> optuna.Study:
+    return optuna.load_study(study_name=optuna_name, storage=storage(url), sampler=sampler(spec), pruner=pruner(spec))
+
+
+def create(url: str, optuna_name: str, spec: schemas.StudySpec) -> optuna.Study:
+    """Create the Optuna study with its enqueued configurations; idempotent (a driver that died
+    half-way creates nothing twice: enqueued configurations already present are skipped)."""
+    study = optuna.create_study(
+        storage=storage(url),
+        study_name=optuna_name,
+        directions=directions(spec),
+        sampler=sampler(spec),
+        pruner=pruner(spec),
+        load_if_exists=True,
+    )
+    for params in spec.enqueue:
+        study.enqueue_trial(params, skip_if_exists=True)
+    return study
+
+
+IMPORTANCE_METHODS = ("ped_anova", "fanova")
+
+
+def importances(study: optuna.Study, method: str) -> dict[str, float]:
+    """Parameter importance of a single-objective study (Optuna's evaluators). Raises ValueError
+    when there are too few complete trials."""
+    evaluator: optuna.importance.BaseImportanceEvaluator
+    if method == "fanova":
+        evaluator = optuna.importance.FanovaImportanceEvaluator(seed=0)
+    else:
+        evaluator = optuna.importance.PedAnovaImportanceEvaluator()
+    return optuna.importance.get_param_importances(study, evaluator=evaluator)
