@@ -543,7 +543,7 @@ class TrialTemplate(JobSpec):
     """The job every trial runs: a job file without its name (trials are named after the study).
     The sampled parameters are merged over `hyperparameters`."""
 
-    name: Annotated[str, Field(pattern=NAME_PATTERN)] = "trial"
+    name: Annotated[str, Field(pattern=NAME_PATTERN, exclude=True)] = "trial"  # never written back
 
     @model_validator(mode="after")
     def _no_name(self) -> TrialTemplate:

@@ -196,7 +196,7 @@ def objective_points(session: Session, job_id: int, metric: str, after: int | No
     )
     if after is not None:
         query = query.where(Metric.step > after)
-    points = dict(session.execute(query.order_by(Metric.step, Metric.id)).tuples())
+    points = {step: value for step, value in session.execute(query.order_by(Metric.step, Metric.id))}
     return sorted(points.items())
 
 

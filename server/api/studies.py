@@ -109,19 +109,20 @@ def resume_study(study_id: int, request: Request, session: SessionDep, _: UserDe
 
 @router.get("/{study_id}/best", response_model=schemas.StudyBest)
 def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, _: UserDep) -> schemas.StudyBest:
-    """The best trial as Optuna reckons it, or the Pareto front of a multi-objective study."""
+    """The best trial as Optuna reckons it (among equal values, the first), or the Pareto front
+    of a multi-objective study."""
     from server import tuning
 
     detail = _detail(session, study_id)
     if not any(t.state is schemas.TrialState.COMPLETE for t in detail.trials):
         raise Conflict(f"study {study_id} has no COMPLETE trial yet; `phalanx studies show {study_id}` lists them")
     study = tuning.load(settings.database_url, detail.optuna_study_name, detail.spec)
-    numbers = {t.number for t in study.best_trials}
-    return schemas.StudyBest(
-        study_id=study_id,
-        directions=[o.direction for o in detail.spec.objectives],
-        trials=[t for t in detail.trials if t.number in numbers],
-    )
+    if detail.spec.multi_objective:
+        numbers = {t.number for t in study.best_trials}
+        best = [t for t in detail.trials if t.number in numbers]
+    else:
+        best = [next(t for t in detail.trials if t.values == [study.best_value])]
+    return schemas.StudyBest(study_id=study_id, directions=[o.direction for o in detail.spec.objectives], trials=best)
 
 
 @router.get("/{study_id}/importance", response_model=schemas.ParamImportances)

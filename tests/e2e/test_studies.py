@@ -1,0 +1,137 @@
+"""Hyperparameter studies on the whole stack: Optuna drives real trial jobs through real agents."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import optuna
+import pytest
+
+from phalanx.client import Client, load_job_file, load_study_file
+from phalanx.schemas import JobState, StudyDetail, StudySpec, StudyState, TrialState
+from tests.processes import REPO, Stack, wait_for
+
+pytestmark = pytest.mark.e2e
+DIGITS_STUDY = REPO / "examples" / "digits" / "study.yaml"
+SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
+
+
+def optuna_trials(stack: Stack, study: StudyDetail) -> list[optuna.trial.FrozenTrial]:
+    """The study as optuna-dashboard sees it: Optuna's own API on the platform's database."""
+    storage = optuna.storages.RDBStorage(stack.env["PHALANX_DATABASE_URL"], skip_table_creation=True)
+    try:
+        return optuna.load_study(study_name=study.optuna_study_name, storage=storage).get_trials()
+    finally:
+        storage.engine.dispose()
+
+
+def assert_parallelism_kept(client: Client, study: StudyDetail) -> None:
+    """Never more trial jobs in flight (queued to ended, by the database clock) than allowed."""
+    spans = []
+    for trial in study.trials:
+        job = client.get_job(trial.job_id)
+        assert job.ended_at is not None
+        spans.append((job.submitted_at, job.ended_at))
+    for start, _ in spans:
+        in_flight = sum(1 for s, e in spans if s <= start < e)
+        assert in_flight <= study.spec.parallelism, spans
+
+
+def scripted_study(**overrides: Any) -> tuple[StudySpec, Any]:
+    """A study over the scripted workload: x in [0, 1], loss = (x - 0.3)^2 + 1/(step + 1)."""
+    job, workdir = load_job_file(SCRIPTED)
+    trial = job.model_dump(mode="json", exclude={"name"})
+    trial["resources"] = {"nodes": 1, "slots_per_node": 1}
+    trial["hyperparameters"] = {"steps": 10, "step_seconds": 0.05}
+    body = {
+        "name": "scripted-study",
+        "objective": {"metric": "loss", "direction": "minimize"},
+        "search_space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+        "sampler": {"type": "random", "seed": 1},
+        "n_trials": 6,
+        "parallelism": 2,
+        "trial": trial,
+        **overrides,
+    }
+    return StudySpec.model_validate(body), workdir
+
+
+def test_tpe_study_with_median_pruning_on_the_digits_example(stack: Stack) -> None:
+    spec, workdir = load_study_file(DIGITS_STUDY)
+    trial = spec.trial.model_copy(update={"entrypoint": "python train.py --epochs 40"})
+    # Two good configurations complete first, so the median pruner has its two startup trials
+    # when the deliberately bad ones (a learning rate that barely moves) report.
+    good = {"lr": 0.05, "hidden": 64, "optimizer": "sgd"}
+    bad = {"lr": 0.0001, "hidden": 16, "optimizer": "sgd"}
+    spec = spec.model_copy(update={"trial": trial, "enqueue": [good, {**good, "hidden": 32}, bad, bad]})
+    spec = StudySpec.model_validate(spec.model_dump())
+    with stack.client() as client:
+        created = client.create_study(spec, workdir)
+        study = client.wait_study(created.id, timeout=600)
+        assert study.state is StudyState.COMPLETED, study.reason
+        assert len(study.trials) == spec.n_trials == 8
+        states = [t.state for t in study.trials]
+        assert TrialState.PRUNED in states, [(t.number, t.state, t.values, t.last_step) for t in study.trials]
+        for t in study.trials:
+            job = client.get_job(t.job_id)
+            assert (job.study_id, job.trial_number) == (study.id, t.number)
+            assert job.spec.hyperparameters["lr"] == t.params["lr"]
+            assert {TrialState.PRUNED: JobState.PRUNED, TrialState.COMPLETE: JobState.COMPLETED}.get(
+                t.state, job.state
+            ) is job.state
+        complete = [t for t in study.trials if t.state is TrialState.COMPLETE]
+        best_value = max(t.values[0] for t in complete if t.values)
+        assert study.best_values == [best_value]
+        best = client.best_trials(study.id)
+        assert [(t.number, t.values) for t in best.trials] == [(study.best_trial, [best_value])]
+        assert_parallelism_kept(client, study)
+        importance = client.param_importances(study.id)
+        assert set(importance.importances) == {"lr", "hidden", "optimizer"}, importance.note
+
+    trials = optuna_trials(stack, study)
+    assert len(trials) == 8
+    assert not [t.number for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+    assert {t.number: t.state.name for t in trials} == {t.number: t.state.value for t in study.trials}
+    assert all(t.user_attrs["phalanx_job_id"] == s.job_id for t, s in zip(trials, study.trials, strict=True))
+    pruned = [t for t in trials if t.state is optuna.trial.TrialState.PRUNED]
+    assert all(t.intermediate_values for t in pruned)
+
+
+def test_a_trial_that_always_crashes_fails_and_max_failed_trials_stops_the_study(stack: Stack) -> None:
+    spec, workdir = scripted_study(
+        n_trials=10,
+        parallelism=1,
+        max_failed_trials=2,
+        search_space={"crash_step": {"type": "int", "low": 2, "high": 4}},
+    )
+    spec.trial.hyperparameters.update({"crash_rank": 0, "exit_code": 3})
+    with stack.client() as client:
+        created = client.create_study(spec, workdir)
+        study = client.wait_study(created.id, timeout=300)
+    assert study.state is StudyState.FAILED and "max_failed_trials is 2" in (study.reason or "")
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+    assert all("exited with code 3" in (t.reason or "") for t in study.trials)
+    trials = optuna_trials(stack, study)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
+    assert all("exited with code 3" in t.system_attrs["fail_reason"] for t in trials)
+
+
+def test_scheduler_killed_mid_study_completes_with_exactly_n_trials(stack: Stack) -> None:
+    spec, workdir = scripted_study(n_trials=6, parallelism=2)
+    with stack.client() as client:
+        created = client.create_study(spec, workdir)
+        wait_for(
+            lambda: sum(t.state is TrialState.COMPLETE for t in client.get_study(created.id).trials) >= 2,
+            180,
+            "two complete trials",
+        )
+        stack.stop("scheduler", signal.SIGKILL)
+        stack.start_scheduler()
+        study = client.wait_study(created.id, timeout=300)
+        assert study.state is StudyState.COMPLETED, study.reason
+        assert [t.number for t in study.trials] == list(range(6))
+        assert all(t.state is TrialState.COMPLETE for t in study.trials)
+        assert len({t.job_id for t in study.trials}) == 6
+        assert_parallelism_kept(client, study)
+    assert len(optuna_trials(stack, study)) == 6
