@@ -91,7 +91,8 @@ def test_tpe_study_with_median_pruning_on_the_digits_example(stack: Stack) -> No
 
     trials = optuna_trials(stack, study)
     assert len(trials) == 8
-    assert not [t.number for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+    unfinished = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    assert not [t.number for t in trials if t.state in unfinished]
     assert {t.number: t.state.name for t in trials} == {t.number: t.state.value for t in study.trials}
     assert all(t.user_attrs["phalanx_job_id"] == s.job_id for t, s in zip(trials, study.trials, strict=True))
     pruned = [t for t in trials if t.state is optuna.trial.TrialState.PRUNED]
