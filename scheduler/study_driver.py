@@ -300,17 +300,18 @@ class Driver:
             prune = pruning and study.pruner.prune(study, self.storage.get_trial(trial.optuna_trial_id))
             last_step, last_value = points[-1]
             with self.sessions.begin() as session:
+                if prune:  # the job row first: a trial job's own transitions lock it alone
+                    job = lifecycle.get_job(session, trial.job_id, lock=True)
+                    if job.state == JobState.RUNNING.value:
+                        reason = (
+                            f"pruned by the {snapshot.spec.pruner.type} pruner at step {last_step} "
+                            f"({metric} {last_value:g})"
+                        )
+                        woken |= lifecycle.prune_job(session, job, reason)
                 row = session.get(TuningTrial, trial.row_id)
                 assert row is not None
                 row.reported_step = last_step
                 note_study_change(session, snapshot.id)
-                job = lifecycle.get_job(session, trial.job_id, lock=True)
-                if prune and job.state == JobState.RUNNING.value:
-                    reason = (
-                        f"pruned by the {snapshot.spec.pruner.type} pruner at step {last_step} "
-                        f"({metric} {last_value:g})"
-                    )
-                    woken |= lifecycle.prune_job(session, job, reason)
         return woken
 
     def _tell_finished(self, study: optuna.Study, snapshot: StudySnapshot) -> None:

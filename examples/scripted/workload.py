@@ -5,6 +5,8 @@
     exit_code     exit status after the last step (default 0)
     crash_rank    this rank exits with exit_code at crash_step, abruptly (default: none)
     crash_step
+    crash_attempt only in this attempt (default: every attempt)
+    crash_exit_code  the crash's status (default: exit_code)
     hang_rank     this rank sleeps forever at hang_step, deaf to SIGTERM like a rank stuck in
     hang_step     a collective: its peers notice at the process-group timeout (default: none)
     report        report {"step_value": step} every step (default true)
@@ -38,6 +40,10 @@ def main() -> int:
     exit_code = int(hp.get("exit_code", 0))
     crash_rank = hp.get("crash_rank")
     crash_step = int(hp.get("crash_step", 0))
+    crash_attempt = hp.get("crash_attempt")
+    crash_exit_code = int(hp.get("crash_exit_code", exit_code))
+    if crash_attempt is not None and int(crash_attempt) != ctx.attempt:
+        crash_rank = None
     hang_rank = hp.get("hang_rank")
     hang_step = int(hp.get("hang_step", 0))
     report = bool(hp.get("report", True))
@@ -58,8 +64,8 @@ def main() -> int:
 
     for step in range(start, steps):
         if crash_rank is not None and ctx.rank == int(crash_rank) and step == crash_step:
-            print(f"rank {ctx.rank} crashing at step {step} with exit code {exit_code}", flush=True)
-            os._exit(exit_code)  # like a real crash: no cleanup, no metrics flush
+            print(f"rank {ctx.rank} crashing at step {step} with exit code {crash_exit_code}", flush=True)
+            os._exit(crash_exit_code)  # like a real crash: no cleanup, no metrics flush
         if hang_rank is not None and ctx.rank == int(hang_rank) and step == hang_step:
             print(f"rank {ctx.rank} hanging at step {step}", flush=True)
             while True:

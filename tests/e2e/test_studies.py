@@ -136,3 +136,84 @@ def test_scheduler_killed_mid_study_completes_with_exactly_n_trials(stack: Stack
         assert len({t.job_id for t in study.trials}) == 6
         assert_parallelism_kept(client, study)
     assert len(optuna_trials(stack, study)) == 6
+
+
+def expected_intermediate_values(x: float, steps: int) -> dict[int, float]:
+    return {step: (x - 0.3) ** 2 + 1 / (step + 1) for step in range(steps)}
+
+
+def test_a_restarted_trial_stays_one_trial_and_reports_each_step_once(stack: Stack) -> None:
+    """Rank 0 crashes in the first attempt; the job restarts from its checkpoint. The study still
+    has n_trials trials, and Optuna holds each step's intermediate value once, as reported."""
+    steps = 40
+    spec, workdir = scripted_study(n_trials=2, parallelism=2)
+    spec.trial.hyperparameters.update(
+        {
+            "steps": steps,
+            "crash_rank": 0,
+            "crash_step": 25,
+            "crash_attempt": 1,
+            "crash_exit_code": 9,
+            "checkpoint_every": 10,
+        }
+    )
+    spec = spec.model_copy(update={"trial": spec.trial.model_copy(update={"max_restarts": 1})})
+    with stack.client() as client:
+        created = client.create_study(spec, workdir)
+        study = client.wait_study(created.id, timeout=300)
+        assert study.state is StudyState.COMPLETED, study.reason
+        assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+        for trial in study.trials:
+            job = client.get_job(trial.job_id)
+            assert job.attempts == 2 and job.restarts_used == 1 and job.allocations[1].resume_step == 20
+        for frozen, trial in zip(optuna_trials(stack, study), study.trials, strict=True):
+            # Optuna holds exactly the points Phalanx shows: each step once. (The crash may lose the
+            # steps its rank had not sent yet: os._exit, like a real crash.)
+            points = {p.step: p.value for p in client.metrics(trial.job_id, name="loss") if p.rank == 0}
+            assert frozen.intermediate_values == points
+            x = float(trial.params["x"])
+            assert set(range(21, steps)) <= set(points)  # the resumed attempt's steps
+            assert points == pytest.approx(
+                {s: v for s, v in expected_intermediate_values(x, steps).items() if s in points}
+            )
+            assert frozen.value == pytest.approx((x - 0.3) ** 2 + 1 / steps)
+
+
+def test_stop_pauses_the_running_trials_and_resume_carries_on_from_their_checkpoints(stack: Stack) -> None:
+    steps = 100
+    spec, workdir = scripted_study(n_trials=3, parallelism=2)
+    spec.trial.hyperparameters.update({"steps": steps, "checkpoint_every": 10})
+    with stack.client() as client:
+        created = client.create_study(spec, workdir)
+
+        def two_trials_training() -> bool:
+            trials = client.get_study(created.id).trials
+            return len(trials) == 2 and all((client.get_job(t.job_id).latest_step or 0) >= 20 for t in trials)
+
+        wait_for(two_trials_training, 120, "two trials past step 20")
+        assert client.stop_study(created.id).state is StudyState.STOPPED
+        paused = client.get_study(created.id).trials
+        assert [t.job_state for t in paused] == [JobState.PAUSED] * 2
+        wait_for(
+            lambda: all(
+                n.state.value == "EXITED" for t in paused for n in client.get_job(t.job_id).allocations[-1].nodes
+            ),
+            60,
+            "the paused trials' workers to leave",
+        )
+        assert len(client.get_study(created.id).trials) == 2  # a stopped study starts no trial
+        assert {t.state for t in optuna_trials(stack, client.get_study(created.id))} == {
+            optuna.trial.TrialState.RUNNING
+        }
+
+        assert client.resume_study(created.id).state is StudyState.RUNNING
+        study = client.wait_study(created.id, timeout=300)
+        assert study.state is StudyState.COMPLETED, study.reason
+        assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+        for trial in study.trials[:2]:
+            job = client.get_job(trial.job_id)
+            assert job.attempts == 2 and job.allocations[1].resume_step is not None
+    for frozen, trial in zip(optuna_trials(stack, study), study.trials, strict=True):
+        assert frozen.intermediate_values == pytest.approx(
+            expected_intermediate_values(float(trial.params["x"]), steps)
+        )
