@@ -87,6 +87,15 @@ def directions(spec: schemas.StudySpec) -> list[optuna.study.StudyDirection]:
     return [optuna.study.StudyDirection[o.direction.name] for o in spec.objectives]
 
 
+class AskTellGridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its `study.stop()` once the grid is exhausted: that stops an
+    `optimize()` loop and raises anywhere else (in a tell). A study's n_trials, which the spec
+    caps at the grid's size, ends it instead."""
+
+    def after_trial(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def _seed(seed: int | None, trial_number: int) -> int | None:
     return None if seed is None else (seed * 1_000_003 + trial_number) % 2**32
 
@@ -105,7 +114,7 @@ def sampler(spec: schemas.StudySpec, trial_number: int = 0) -> optuna.samplers.B
     if isinstance(config, schemas.RandomSampler):
         return optuna.samplers.RandomSampler(seed=seed)
     if isinstance(config, schemas.GridSampler):
-        return optuna.samplers.GridSampler(spec.grid(), seed=config.seed)  # its order: one seed for all
+        return AskTellGridSampler(spec.grid(), seed=config.seed)  # its order: one seed for all trials
     if isinstance(config, schemas.CmaEsSampler):
         return optuna.samplers.CmaEsSampler(
             seed=seed, n_startup_trials=config.n_startup_trials, sigma0=config.sigma0, warn_independent_sampling=False

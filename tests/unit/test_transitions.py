@@ -8,11 +8,11 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from phalanx.schemas import JobState
+from phalanx.schemas import JobState, StudyState
 from server.db import make_engine, upgrade
-from server.errors import IllegalTransition
-from server.models import Job, JobEvent, User
-from server.transitions import ALLOWED, can_transition, transition
+from server.errors import IllegalStudyTransition, IllegalTransition
+from server.models import Job, JobEvent, TuningStudy, User
+from server.transitions import ALLOWED, STUDY_ALLOWED, can_transition, transition, transition_study
 
 S = JobState
 EXPECTED_ALLOWED = {
@@ -93,4 +93,52 @@ def test_every_pair(session_maker, current: JobState, target: JobState) -> None:
                 transition(session, job, target, "nope")
             assert job.state == current.value
             assert session.scalars(select(JobEvent).where(JobEvent.job_id == job.id)).first() is None
+        session.rollback()
+
+
+STUDY_EXPECTED_ALLOWED = {
+    (StudyState.RUNNING, StudyState.STOPPED),
+    (StudyState.RUNNING, StudyState.COMPLETED),
+    (StudyState.RUNNING, StudyState.FAILED),
+    (StudyState.STOPPED, StudyState.RUNNING),
+}
+STUDY_PAIRS = list(itertools.product(StudyState, StudyState))
+
+
+def test_study_rule_table_is_the_documented_lifecycle() -> None:
+    assert {(a, b) for a, targets in STUDY_ALLOWED.items() for b in targets} == STUDY_EXPECTED_ALLOWED
+    assert set(STUDY_ALLOWED) == set(StudyState)
+
+
+@pytest.mark.parametrize(("current", "target"), STUDY_PAIRS, ids=[f"{a.value}->{b.value}" for a, b in STUDY_PAIRS])
+def test_every_study_pair(session_maker, current: StudyState, target: StudyState) -> None:  # type: ignore[no-untyped-def]
+    with session_maker() as session, session.begin():
+        user = User(name=f"s-{current.value}-{target.value}", is_admin=False)
+        session.add(user)
+        session.flush()
+        running = current is StudyState.RUNNING
+        study = TuningStudy(
+            name="s",
+            owner_id=user.id,
+            optuna_name=f"o-{current.value}-{target.value}",
+            state=current.value,
+            spec={},
+            bundle_size=0,
+            running_seconds=5.0,
+        )
+        session.add(study)
+        session.flush()
+        if running:
+            study.running_since = study.created_at
+        if (current, target) in STUDY_EXPECTED_ALLOWED:
+            transition_study(session, study, target, "because a test said so")
+            assert (study.state, study.reason) == (target.value, "because a test said so")
+            assert (study.ended_at is not None) == target.is_terminal
+            # the clock for `timeout` runs only while RUNNING
+            assert (study.running_since is not None) == (target is StudyState.RUNNING)
+            assert study.running_seconds >= 5.0
+        else:
+            with pytest.raises(IllegalStudyTransition, match=f"is {current.value} and cannot become {target.value}"):
+                transition_study(session, study, target, "nope")
+            assert study.state == current.value
         session.rollback()
