@@ -311,6 +311,8 @@ class Driver:
                 row = session.get(TuningTrial, trial.row_id)
                 assert row is not None
                 row.reported_step = last_step
+                if prune:
+                    row.reason = reason
                 note_study_change(session, snapshot.id)
         return woken
 
@@ -327,7 +329,7 @@ class Driver:
                 assert row is not None
                 row.state = TrialState(frozen.state.name).value
                 row.values = list(frozen.values) if frozen.values is not None else None
-                row.reason = reason
+                row.reason = reason or row.reason  # a pruned trial keeps why it was pruned
                 row.ended_at = session.execute(select(utcnow())).scalar_one()
                 note_study_change(session, snapshot.id)
 
