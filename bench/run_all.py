@@ -91,6 +91,16 @@ BENCHMARKS = (
             f"<= x{r['goal_ratio']}; <= {r['goal_agent_kill_s']} s",
         ),
     ),
+    Benchmark(
+        "study",
+        "bench_study.py",
+        quick_args=("--skip-efficiency",),
+        summary=lambda r: (
+            f"x{r['ratio']} of study.optimize ({r['phalanx_wall_s']} s vs {r['optuna_wall_s']} s); "
+            f"ask -> RUNNING +{r['ask_to_running_added_s']} s over a job start",
+            f"<= x{r['goal_ratio']}; <= +{r['goal_added_s']} s",
+        ),
+    ),
 )
 NAMES = tuple(b.name for b in BENCHMARKS)
 

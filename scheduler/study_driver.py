@@ -299,19 +299,18 @@ class Driver:
                 self.storage.set_trial_intermediate_value(trial.optuna_trial_id, step, value)
             prune = pruning and study.pruner.prune(study, self.storage.get_trial(trial.optuna_trial_id))
             last_step, last_value = points[-1]
+            reason = f"pruned by the {snapshot.spec.pruner.type} pruner at step {last_step} ({metric} {last_value:g})"
             with self.sessions.begin() as session:
+                pruned = False
                 if prune:  # the job row first: a trial job's own transitions lock it alone
                     job = lifecycle.get_job(session, trial.job_id, lock=True)
-                    if job.state == JobState.RUNNING.value:
-                        reason = (
-                            f"pruned by the {snapshot.spec.pruner.type} pruner at step {last_step} "
-                            f"({metric} {last_value:g})"
-                        )
+                    pruned = job.state == JobState.RUNNING.value  # else it ended (or restarts) meanwhile
+                    if pruned:
                         woken |= lifecycle.prune_job(session, job, reason)
                 row = session.get(TuningTrial, trial.row_id)
                 assert row is not None
                 row.reported_step = last_step
-                if prune:
+                if pruned:
                     row.reason = reason
                 note_study_change(session, snapshot.id)
         return woken

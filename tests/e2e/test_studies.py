@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import optuna
 import pytest
 import yaml
 
 from phalanx.client import Client, load_job_file, load_study_file
 from phalanx.schemas import JobState, StudyDetail, StudySpec, StudyState, TrialState
-from tests.processes import PHALANX, REPO, Stack, wait_for
+from tests.processes import PHALANX, REPO, Stack, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 DIGITS_STUDY = REPO / "examples" / "digits" / "study.yaml"
@@ -28,6 +30,31 @@ def optuna_trials(stack: Stack, study: StudyDetail) -> list[optuna.trial.FrozenT
         return optuna.load_study(study_name=study.optuna_study_name, storage=storage).get_trials()
     finally:
         storage.engine.dispose()
+
+
+def dashboard_trials(stack: Stack, study: StudyDetail, tmp_path: Path) -> list[dict[str, Any]]:
+    """The study's trials as optuna-dashboard, pointed at the platform's database, serves them."""
+    port = free_port()
+    argv = [str(Path(sys.executable).parent / "optuna-dashboard"), stack.env["PHALANX_DATABASE_URL"]]
+    with open(tmp_path / "optuna-dashboard.log", "wb") as out:
+        proc = subprocess.Popen([*argv, "--port", str(port), "--server", "wsgiref"], stdout=out, stderr=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def studies() -> Any:
+            try:
+                return httpx.get(f"{url}/api/studies", timeout=5).json()["study_summaries"]
+            except httpx.TransportError:
+                assert proc.poll() is None, (tmp_path / "optuna-dashboard.log").read_text()
+                return None
+
+        listed = wait_for(studies, 60, "optuna-dashboard to answer")
+        (summary,) = [s for s in listed if s["study_name"] == study.optuna_study_name]
+        detail = httpx.get(f"{url}/api/studies/{summary['study_id']}", timeout=30).json()
+        return list(detail["trials"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def assert_parallelism_kept(client: Client, study: StudyDetail) -> None:
@@ -61,7 +88,7 @@ def scripted_study(**overrides: Any) -> tuple[StudySpec, Any]:
     return StudySpec.model_validate(body), workdir
 
 
-def test_tpe_study_with_median_pruning_on_the_digits_example(stack: Stack) -> None:
+def test_tpe_study_with_median_pruning_on_the_digits_example(stack: Stack, tmp_path: Path) -> None:
     spec, workdir = load_study_file(DIGITS_STUDY)
     trial = spec.trial.model_copy(update={"entrypoint": "python train.py --epochs 40"})
     # Two good configurations complete first, so the median pruner has its two startup trials
@@ -101,6 +128,8 @@ def test_tpe_study_with_median_pruning_on_the_digits_example(stack: Stack) -> No
     assert all(t.user_attrs["phalanx_job_id"] == s.job_id for t, s in zip(trials, study.trials, strict=True))
     pruned = [t for t in trials if t.state is optuna.trial.TrialState.PRUNED]
     assert all(t.intermediate_values for t in pruned)
+    shown = dashboard_trials(stack, study, tmp_path)
+    assert [(t["number"], t["state"].upper()) for t in shown] == [(t.number, t.state.value) for t in study.trials]
 
 
 def test_a_trial_that_always_crashes_fails_and_max_failed_trials_stops_the_study(stack: Stack) -> None:
