@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from phalanx.schemas import Direction, JobState, StudySpec, StudyState, TrialState
 from server import lifecycle, studies, tuning
 from server.db import engine_for
-from server.models import Job, Metric, TuningStudy, TuningTrial, utcnow
+from server.models import Job, JobEvent, Metric, TuningStudy, TuningTrial, utcnow
 from server.settings import Settings
 from server.wakeups import note_study_change
 
@@ -336,7 +336,11 @@ class Driver:
         if trial.job_state is JobState.PRUNED:
             return OptunaState.PRUNED, None, None
         if trial.job_state is JobState.CANCELLED:
-            return OptunaState.FAIL, None, "its job was cancelled"
+            with self.sessions.begin() as session:
+                why = session.execute(
+                    select(JobEvent.reason).where(JobEvent.job_id == trial.job_id).order_by(JobEvent.id.desc()).limit(1)
+                ).scalar_one()
+            return OptunaState.FAIL, None, f"its job was {why}"  # "cancelled by user", "cancelled: ..."
         if trial.job_state is JobState.FAILED:
             return OptunaState.FAIL, None, f"its job failed: {trial.job_failure or 'no reason recorded'}"
         with self.sessions.begin() as session:

@@ -111,6 +111,8 @@ def resume_study(study_id: int, request: Request, session: SessionDep, _: UserDe
 def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, _: UserDep) -> schemas.StudyBest:
     """The best trial as Optuna reckons it (among equal values, the first), or the Pareto front
     of a multi-objective study."""
+    import optuna
+
     from server import tuning
 
     detail = _detail(session, study_id)
@@ -120,8 +122,10 @@ def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, _: Us
     if detail.spec.multi_objective:
         numbers = {t.number for t in study.best_trials}
         best = [t for t in detail.trials if t.number in numbers]
-    else:
-        best = [next(t for t in detail.trials if t.values == [study.best_value])]
+    else:  # Optuna's best value; among the trials that reached it, the first (as in our views)
+        complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        first = min(t.number for t in complete if t.value == study.best_value)
+        best = [t for t in detail.trials if t.number == first]
     return schemas.StudyBest(study_id=study_id, directions=[o.direction for o in detail.spec.objectives], trials=best)
 
 

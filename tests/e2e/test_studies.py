@@ -151,7 +151,9 @@ def test_a_trial_that_always_crashes_fails_and_max_failed_trials_stops_the_study
     assert all("exited with code 3" in t.system_attrs["fail_reason"] for t in trials)
 
 
-def test_scheduler_killed_mid_study_completes_with_exactly_n_trials(stack: Stack) -> None:
+def test_control_plane_killed_mid_study_completes_with_exactly_n_trials(stack: Stack) -> None:
+    """kill -9 the scheduler (the driver) and the server while trials run; once they are back the
+    study completes with exactly n_trials trials, each told once."""
     spec, workdir = scripted_study(n_trials=6, parallelism=2)
     with stack.client() as client:
         created = client.create_study(spec, workdir)
@@ -161,6 +163,8 @@ def test_scheduler_killed_mid_study_completes_with_exactly_n_trials(stack: Stack
             "two complete trials",
         )
         stack.stop("scheduler", signal.SIGKILL)
+        stack.stop("server", signal.SIGKILL)
+        stack.start_server()
         stack.start_scheduler()
         study = client.wait_study(created.id, timeout=300)
         assert study.state is StudyState.COMPLETED, study.reason

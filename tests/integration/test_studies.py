@@ -155,7 +155,7 @@ def test_an_ended_trial_job_is_told_and_the_next_trial_starts(client: TestClient
     assert driver(settings).advance(study["id"]).launched == 1
     shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
     assert [t["state"] for t in shown["trials"]] == ["FAIL", "RUNNING", "RUNNING"]
-    assert shown["trials"][0]["reason"] == "its job was cancelled" and shown["state"] == "RUNNING"
+    assert shown["trials"][0]["reason"] == "its job was cancelled by user" and shown["state"] == "RUNNING"
 
 
 def test_an_orphan_trial_is_adopted_not_duplicated(client: TestClient, settings: Settings) -> None:
@@ -216,3 +216,123 @@ def test_list_studies(client: TestClient) -> None:
     assert [s["id"] for s in listed] == [second["id"], first["id"]]
     assert client.get("/api/v1/studies?state=COMPLETED", headers=USER).json() == []
     assert StudyState(listed[0]["state"]) is StudyState.RUNNING and listed[0]["trial_counts"] == {}
+
+
+def start_trial(client: TestClient, settings: Settings, job_id: int) -> tuple[int, int]:
+    """Place the (one-node) trial job and report it started, as its agent would: (allocation, agent)."""
+    from scheduler.service import schedule_pass
+
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+    (allocation,) = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"]
+    (node,) = allocation["nodes"]
+    started = client.post(
+        f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/started",
+        json={"node_rank": 0},
+        headers=AGENT,
+    )
+    assert started.status_code == 204
+    return allocation["id"], node["agent_id"]
+
+
+def report(client: TestClient, allocation_id: int, points: dict[int, dict[str, float]]) -> None:
+    records = [{"rank": 0, "step": step, "time": 0.0, "values": values} for step, values in points.items()]
+    posted = client.post(f"/api/v1/allocations/{allocation_id}/metrics", json={"records": records}, headers=AGENT)
+    assert posted.status_code == 204
+
+
+def finish(client: TestClient, allocation_id: int, agent_id: int, exit_code: int = 0) -> None:
+    body = {"node_rank": 0, "exit_code": exit_code}
+    done = client.post(f"/api/v1/agents/{agent_id}/allocations/{allocation_id}/exit", json=body, headers=AGENT)
+    assert done.status_code == 204
+
+
+def trials(client: TestClient, study_id: int) -> list[dict[str, Any]]:
+    return list(client.get(f"/api/v1/studies/{study_id}", headers=USER).json()["trials"])
+
+
+def test_the_pruner_prunes_a_trial_worse_than_the_median(
+    client: TestClient, settings: Settings, enqueued: list[Any]
+) -> None:
+    pruner = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}
+    study = create(client, study_body(pruner=pruner, n_trials=2, parallelism=1)).json()
+    driver(settings).advance(study["id"])
+    (first,) = trials(client, study["id"])
+    allocation, agent = start_trial(client, settings, first["job_id"])
+    enqueued.clear()
+    report(client, allocation, {0: {"loss": 1.0}, 1: {"loss": 0.5}, 2: {"loss": 0.2, "other": 3.0}})
+    assert ("phalanx.advance_study", (study["id"],)) in enqueued  # the batch carries the objective
+    enqueued.clear()
+    report(client, allocation, {3: {"other": 1.0}})
+    assert not enqueued  # this one does not
+    finish(client, allocation, agent)
+    assert ("phalanx.advance_study", (study["id"],)) in enqueued  # a trial job ended
+    driver(settings).advance(study["id"])  # tells COMPLETE (loss 0.2, the last value), starts trial 1
+
+    second = trials(client, study["id"])[1]
+    allocation, agent = start_trial(client, settings, second["job_id"])
+    report(client, allocation, {0: {"loss": 5.0}, 1: {"loss": 4.0}})
+    assert driver(settings).advance(study["id"]).woken == {agent}  # told to stop (SIGTERM)
+    job = client.get(f"/api/v1/jobs/{second['job_id']}", headers=USER).json()
+    assert job["state"] == "PRUNED"
+    work = client.get(f"/api/v1/agents/{agent}/work", headers=AGENT).json()
+    assert [a["desired"] for a in work["assignments"]] == ["stop"]
+    shown = trials(client, study["id"])
+    assert [(t["state"], t["values"]) for t in shown] == [("COMPLETE", [0.2]), ("PRUNED", [4.0])]
+    assert shown[1]["reason"] == "pruned by the median pruner at step 1 (loss 4)" and shown[1]["last_step"] == 1
+    finish(client, allocation, agent, exit_code=143)  # its workers leave after checkpointing
+    driver(settings).advance(study["id"])
+    final = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
+    assert final["state"] == "COMPLETED" and final["best_trial"] == 0 and final["best_values"] == [0.2]
+    assert [t["best_so_far"] for t in final["trials"]] == [0.2, 0.2]
+
+
+def test_a_completed_trial_without_its_objective_fails(client: TestClient, settings: Settings) -> None:
+    study = create(client, study_body(n_trials=1)).json()
+    driver(settings).advance(study["id"])
+    (trial,) = trials(client, study["id"])
+    allocation, agent = start_trial(client, settings, trial["job_id"])
+    report(client, allocation, {0: {"accuracy": 0.5}})
+    finish(client, allocation, agent)
+    driver(settings).advance(study["id"])
+    (trial,) = trials(client, study["id"])
+    assert trial["state"] == "FAIL" and trial["reason"] == "its job completed without reporting loss"
+
+
+def test_the_target_value_completes_the_study_and_cancels_the_rest(client: TestClient, settings: Settings) -> None:
+    study = create(client, study_body(target_value=0.1, n_trials=5)).json()
+    driver(settings).advance(study["id"])
+    first, _ = trials(client, study["id"])
+    allocation, agent = start_trial(client, settings, first["job_id"])
+    report(client, allocation, {0: {"loss": 0.05}})
+    finish(client, allocation, agent)
+    driver(settings).advance(study["id"])
+    shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
+    assert shown["state"] == "COMPLETED" and "trial 0 reached the target value 0.1" in shown["reason"]
+    assert [(t["state"], t["job_state"]) for t in shown["trials"]] == [("COMPLETE", "COMPLETED"), ("FAIL", "CANCELLED")]
+    frozen = optuna.load_study(study_name=shown["optuna_study_name"], storage=tuning.storage(settings.database_url))
+    assert [t.state.name for t in frozen.trials] == ["COMPLETE", "FAIL"]
+    assert "reached the target value" in frozen.trials[1].system_attrs["fail_reason"]
+
+
+def test_a_multi_objective_study_has_a_pareto_front(client: TestClient, settings: Settings) -> None:
+    body = study_body(
+        objective=[{"metric": "acc", "direction": "maximize"}, {"metric": "latency", "direction": "minimize"}],
+        sampler={"type": "nsga2", "seed": 0, "population_size": 4},
+        n_trials=4,
+        parallelism=4,
+    )
+    study = create(client, body).json()
+    driver(settings).advance(study["id"])
+    outcomes = [(0.9, 10.0), (0.8, 5.0), (0.7, 7.0), (0.95, 20.0)]  # trial 2 is dominated by trial 1
+    for trial, (acc, latency) in zip(trials(client, study["id"]), outcomes, strict=True):
+        allocation, agent = start_trial(client, settings, trial["job_id"])
+        report(client, allocation, {0: {"acc": acc, "latency": latency}})
+        finish(client, allocation, agent)
+    driver(settings).advance(study["id"])
+    shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
+    assert shown["state"] == "COMPLETED" and shown["best_trial"] is None
+    assert [t["number"] for t in shown["trials"] if t["best"]] == [0, 1, 3]
+    best = client.get(f"/api/v1/studies/{study['id']}/best", headers=USER).json()
+    assert [t["number"] for t in best["trials"]] == [0, 1, 3] and best["directions"] == ["maximize", "minimize"]
+    assert client.get(f"/api/v1/studies/{study['id']}/importance", headers=USER).status_code == 422
