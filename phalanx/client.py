@@ -12,7 +12,7 @@ import io
 import os
 import tarfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -127,6 +127,27 @@ class _StreamReader(io.RawIOBase):
         return size
 
 
+T = TypeVar("T")
+
+
+def _long_poll(
+    value: T,
+    done: Callable[[T], bool],
+    change: Callable[[T, float], T],
+    timeout: float | None,
+    what: Callable[[T], str],
+) -> T:
+    """Re-ask with `change(value, wait)` (a long-poll of at most 20 s) until `done(value)`;
+    TimeoutError naming `what(value)` after `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not done(value):
+        remaining = 20.0 if deadline is None else min(20.0, deadline - time.monotonic())
+        if remaining <= 0:
+            raise TimeoutError(f"{what(value)} after {timeout} s")
+        value = change(value, remaining)
+    return value
+
+
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
         self.url = (url or os.environ.get("PHALANX_URL") or DEFAULT_URL).rstrip("/")
@@ -216,14 +237,13 @@ class Client:
         """Block until the job reaches a terminal state; TimeoutError after `timeout` seconds.
 
         Long-polls the server, which answers as soon as the job's state changes: no polling loop."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        job = self.get_job(job_id)
-        while not job.state.is_terminal:
-            remaining = 20.0 if deadline is None else min(20.0, deadline - time.monotonic())
-            if remaining <= 0:
-                raise TimeoutError(f"job {job_id} is still {job.state.value} after {timeout} s")
-            job = self.get_job_change(job_id, job.state, wait=remaining)
-        return job
+        return _long_poll(
+            self.get_job(job_id),
+            lambda job: job.state.is_terminal,
+            lambda job, wait: self.get_job_change(job_id, job.state, wait=wait),
+            timeout,
+            lambda job: f"job {job_id} is still {job.state.value}",
+        )
 
     def pause_job(self, job_id: int) -> Job:
         return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)
@@ -283,14 +303,13 @@ class Client:
     def wait_study(self, study_id: int, timeout: float | None = None) -> StudyDetail:
         """Block until the study is no longer RUNNING (COMPLETED, FAILED or STOPPED); TimeoutError
         after `timeout` seconds. Long-polls: the server answers as soon as a trial changes."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        study = self.get_study(study_id)
-        while study.state is StudyState.RUNNING:
-            remaining = 20.0 if deadline is None else min(20.0, deadline - time.monotonic())
-            if remaining <= 0:
-                raise TimeoutError(f"study {study_id} is still RUNNING after {timeout} s")
-            study = self.get_study_change(study_id, study.version, wait=remaining)
-        return study
+        return _long_poll(
+            self.get_study(study_id),
+            lambda study: study.state is not StudyState.RUNNING,
+            lambda study, wait: self.get_study_change(study_id, study.version, wait=wait),
+            timeout,
+            lambda _: f"study {study_id} is still RUNNING",
+        )
 
     def stop_study(self, study_id: int) -> Study:
         return Study.model_validate_json(self._request("POST", f"/studies/{study_id}/stop").content)

@@ -175,6 +175,15 @@ class Stack:
             self.stop(name)
 
 
+def cli(stack: Stack, *args: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `phalanx ARGS` against the stack with its admin token; `ok`: assert it exited 0."""
+    environ = {**stack.env, "PHALANX_URL": stack.url, "PHALANX_TOKEN": stack.env["PHALANX_ADMIN_TOKEN"], **env}
+    done = subprocess.run([*PHALANX, *args], env=environ, capture_output=True, text=True, timeout=240)
+    if ok:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
 def processes_of_allocation(stack: Stack, allocation_id: int) -> list[int]:
     """PIDs whose environment says they work for this allocation of this stack (ranks and their
     torchrun); other stacks on the machine number their allocations from 1 too."""

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from phalanx.client import load_job_file
 from phalanx.schemas import JobState
-from tests.processes import PHALANX, REPO, Stack, processes_of_allocation, wait_for
+from tests.processes import REPO, Stack, cli, processes_of_allocation, wait_for
 
 pytestmark = pytest.mark.e2e
 DIGITS = REPO / "examples" / "digits" / "job.yaml"
@@ -79,32 +78,22 @@ def test_crashing_rank_fails_the_job_with_its_stderr(stack: Stack) -> None:
 
 
 def test_cli_against_the_stack(stack: Stack) -> None:
-    env = {**stack.env, "PHALANX_URL": stack.url, "PHALANX_TOKEN": stack.env["PHALANX_ADMIN_TOKEN"]}
-
-    def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([*PHALANX, *args], env=env, capture_output=True, text=True, timeout=240)
-        if ok:
-            assert done.returncode == 0, done.stderr
-        return done
-
-    submitted = json.loads(cli("submit", str(SCRIPTED), "--json").stdout)
+    submitted = json.loads(cli(stack, "submit", str(SCRIPTED), "--json").stdout)
     job_id = submitted["id"]
-    waited = json.loads(cli("submit", str(SCRIPTED), "--wait", "--json").stdout)
+    waited = json.loads(cli(stack, "submit", str(SCRIPTED), "--wait", "--json").stdout)
     assert waited["state"] == "COMPLETED"
-    shown = json.loads(cli("jobs", "show", str(job_id), "--json").stdout)
+    shown = json.loads(cli(stack, "jobs", "show", str(job_id), "--json").stdout)
     assert shown["id"] == job_id and "latest_metrics" in shown and "state" in shown
-    listed = json.loads(cli("jobs", "list", "--json").stdout)
+    listed = json.loads(cli(stack, "jobs", "list", "--json").stdout)
     assert {j["id"] for j in listed} >= {job_id, waited["id"]}
     assert all("restarts_used" in j and "infra_restarts_used" in j for j in listed)
-    table = cli("jobs", "list").stdout
+    table = cli(stack, "jobs", "list").stdout
     assert "restarts" in table and "infra" in table  # used/allowed, per budget
-    agents = json.loads(cli("agents", "list", "--json").stdout)
+    agents = json.loads(cli(stack, "agents", "list", "--json").stdout)
     assert {a["name"] for a in agents} == {"node-a", "node-b"}
-    logs = cli("jobs", "logs", str(waited["id"]), "--rank", "1").stdout
+    logs = cli(stack, "jobs", "logs", str(waited["id"]), "--rank", "1").stdout
     assert logs and all(line.startswith("[rank 1]") for line in logs.splitlines())
-    missing = cli("jobs", "show", "4242", ok=False)
+    missing = cli(stack, "jobs", "show", "4242", ok=False)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
-    unreachable = subprocess.run(
-        [*PHALANX, "jobs", "list"], env={**env, "PHALANX_URL": "http://127.0.0.1:9"}, capture_output=True, text=True
-    )
+    unreachable = cli(stack, "jobs", "list", ok=False, PHALANX_URL="http://127.0.0.1:9")
     assert unreachable.returncode == 1 and "phalanx up" in unreachable.stderr

@@ -16,7 +16,7 @@ import yaml
 
 from phalanx.client import Client, load_job_file, load_study_file
 from phalanx.schemas import JobState, StudyDetail, StudySpec, StudyState, TrialState
-from tests.processes import PHALANX, REPO, Stack, free_port, wait_for
+from tests.processes import REPO, Stack, cli, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 DIGITS_STUDY = REPO / "examples" / "digits" / "study.yaml"
@@ -257,37 +257,29 @@ def test_stop_pauses_the_running_trials_and_resume_carries_on_from_their_checkpo
 
 
 def test_cli_studies(stack: Stack, tmp_path: Path) -> None:
-    env = {**stack.env, "PHALANX_URL": stack.url, "PHALANX_TOKEN": stack.env["PHALANX_ADMIN_TOKEN"]}
-
-    def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([*PHALANX, *args], env=env, capture_output=True, text=True, timeout=240)
-        if ok:
-            assert done.returncode == 0, done.stderr
-        return done
-
     spec, _ = scripted_study(n_trials=3)
     body = spec.model_dump(mode="json")
     body["trial"]["workdir"] = str(SCRIPTED.parent)
     study_file = tmp_path / "study.yaml"
     study_file.write_text(yaml.safe_dump(body))
-    finished = json.loads(cli("studies", "create", str(study_file), "--wait", "--json").stdout)
+    finished = json.loads(cli(stack, "studies", "create", str(study_file), "--wait", "--json").stdout)
     assert finished["state"] == "COMPLETED"
-    shown = json.loads(cli("studies", "show", str(finished["id"]), "--json").stdout)
+    shown = json.loads(cli(stack, "studies", "show", str(finished["id"]), "--json").stdout)
     assert len(shown["trials"]) == 3 and set(shown["importance"]) >= {"method", "importances"}
-    best = json.loads(cli("studies", "best", str(finished["id"]), "--json").stdout)
+    best = json.loads(cli(stack, "studies", "best", str(finished["id"]), "--json").stdout)
     assert best["trials"][0]["number"] == shown["best_trial"]
-    listed = json.loads(cli("studies", "list", "--json").stdout)
+    listed = json.loads(cli(stack, "studies", "list", "--json").stdout)
     assert [s["id"] for s in listed] == [finished["id"]]
-    table = cli("studies", "show", str(finished["id"])).stdout
+    table = cli(stack, "studies", "show", str(finished["id"])).stdout
     assert "★" in table and "best so far" in table
-    assert "3/3" in cli("studies", "list").stdout
+    assert "3/3" in cli(stack, "studies", "list").stdout
 
-    created = json.loads(cli("studies", "create", str(study_file), "--json").stdout)
-    assert json.loads(cli("studies", "stop", str(created["id"]), "--json").stdout)["state"] == "STOPPED"
-    assert json.loads(cli("studies", "resume", str(created["id"]), "--json").stdout)["state"] == "RUNNING"
+    created = json.loads(cli(stack, "studies", "create", str(study_file), "--json").stdout)
+    assert json.loads(cli(stack, "studies", "stop", str(created["id"]), "--json").stdout)["state"] == "STOPPED"
+    assert json.loads(cli(stack, "studies", "resume", str(created["id"]), "--json").stdout)["state"] == "RUNNING"
 
     study_file.write_text(yaml.safe_dump({**body, "sampler": "simulated-annealing"}))
-    refused = cli("studies", "create", str(study_file), ok=False)
+    refused = cli(stack, "studies", "create", str(study_file), ok=False)
     assert refused.returncode == 2 and "sampler" in refused.stderr and "simulated-annealing" in refused.stderr
-    missing = cli("studies", "show", "4242", ok=False)
+    missing = cli(stack, "studies", "show", "4242", ok=False)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
