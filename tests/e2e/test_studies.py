@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import optuna
 import pytest
 import yaml
 
+from phalanx.cli.stack import EmbeddedStack
 from phalanx.client import Client, load_job_file, load_study_file
 from phalanx.schemas import JobState, StudyDetail, StudySpec, StudyState, TrialState
 from tests.processes import REPO, Stack, cli, free_port, wait_for
@@ -283,3 +285,22 @@ def test_cli_studies(stack: Stack, tmp_path: Path) -> None:
     assert refused.returncode == 2 and "sampler" in refused.stderr and "simulated-annealing" in refused.stderr
     missing = cli(stack, "studies", "show", "4242", ok=False)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_a_study_on_the_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`phalanx up`'s stack: SQLite holds Optuna's tables too, the driver's lock is an flock."""
+    for name in [k for k in os.environ if k.startswith("PHALANX_")]:
+        monkeypatch.delenv(name)
+    data = tmp_path / "data"
+    spec, workdir = scripted_study(n_trials=4, parallelism=2, pruner={"type": "median", "n_startup_trials": 1})
+    with EmbeddedStack(port=free_port(), data_dir=data, agents=2, cpu_slots=1) as embedded, embedded.client() as client:
+        created = client.create_study(spec, workdir)
+        study = client.wait_study(created.id, timeout=300)
+        assert study.state is StudyState.COMPLETED, study.reason
+        assert len(study.trials) == 4 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{data / 'phalanx.db'}", skip_table_creation=True)
+    try:
+        frozen = optuna.load_study(study_name=study.optuna_study_name, storage=storage).get_trials()
+    finally:
+        storage.engine.dispose()
+    assert [(t.number, t.state.name) for t in frozen] == [(t.number, t.state.value) for t in study.trials]
