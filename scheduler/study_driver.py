@@ -41,6 +41,7 @@ from server import lifecycle, studies, tuning
 from server.db import engine_for
 from server.models import Job, JobEvent, Metric, TuningStudy, TuningTrial, utcnow
 from server.settings import Settings
+from server.transitions import transition_study
 from server.wakeups import note_study_change
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,8 @@ def plan(snapshot: StudySnapshot) -> Plan:
     left = spec.n_trials - len(snapshot.trials)
     timed_out = spec.timeout is not None and snapshot.running_seconds >= spec.timeout
     if left <= 0 or timed_out:
-        if active:
-            return Plan()  # the last trials finish first
+        if active or any(t.untold for t in snapshot.trials):
+            return Plan()  # the last trials finish (and are told) first
         why = f"timeout of {spec.timeout:g} s reached" if timed_out and left > 0 else f"all {spec.n_trials} trials ran"
         return Plan(end=StudyState.COMPLETED, reason=why)
     return Plan(launch=max(0, min(left, spec.parallelism - active)))
@@ -351,15 +352,25 @@ class Driver:
         return OptunaState.COMPLETE, [v for v in values if v is not None], None
 
     def _end(self, study: optuna.Study, snapshot: StudySnapshot, decision: Plan) -> set[int]:
+        """Cancel what still runs (if asked), tell Optuna every outcome, and only then end the
+        study: whoever sees it ended sees every trial told. A driver that dies half-way leaves a
+        RUNNING study whose next pass decides again."""
         assert decision.end is not None
+        woken: set[int] = set()
+        if decision.cancel:
+            with self.sessions.begin() as session:
+                row = studies.get_study(session, snapshot.id, lock=True)
+                if row.state != StudyState.RUNNING.value:
+                    return woken  # a user stopped it meanwhile; the next pass decides again
+                woken = studies.cancel_trials(session, row, decision.reason)
+            self._tell_finished(study, self._must_read(snapshot.id))
+        for leftover in study.get_trials(deepcopy=False, states=(OptunaState.WAITING, OptunaState.RUNNING)):
+            if leftover.number not in snapshot.numbers:  # enqueued and never asked for, or an orphan
+                _fail(self.storage, leftover._trial_id, f"the study ended: {decision.reason}")
         with self.sessions.begin() as session:
             row = studies.get_study(session, snapshot.id, lock=True)
-            if row.state != StudyState.RUNNING.value:
-                return set()  # a user stopped it meanwhile; the next pass decides again
-            woken = studies.end_study(session, row, decision.end, decision.reason, cancel=decision.cancel)
-        self._tell_finished(study, self._must_read(snapshot.id))
-        for leftover in study.get_trials(deepcopy=False, states=(OptunaState.WAITING, OptunaState.RUNNING)):
-            _fail(self.storage, leftover._trial_id, f"the study ended: {decision.reason}")
+            if row.state == StudyState.RUNNING.value:
+                transition_study(session, row, decision.end, decision.reason)
         log.info("study %s %s: %s", snapshot.id, decision.end.value, decision.reason)
         return woken
 

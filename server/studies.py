@@ -132,11 +132,9 @@ def resume_study(session: Session, study: TuningStudy) -> None:
             lifecycle.resume_job(session, job)
 
 
-def end_study(session: Session, study: TuningStudy, target: StudyState, reason: str, *, cancel: bool) -> set[int]:
-    """COMPLETED or FAILED; with `cancel`, the trial jobs still in flight are cancelled."""
-    transition_study(session, study, target, reason)
+def cancel_trials(session: Session, study: TuningStudy, reason: str) -> set[int]:
+    """Cancel the study's trial jobs still in flight (the study is ending: `reason`)."""
     woken: set[int] = set()
-    if cancel:
-        for job in active_trial_jobs(session, study.id):
-            woken |= lifecycle.kill_job(session, job, f"cancelled: study {study.id} ended ({reason})")
+    for job in active_trial_jobs(session, study.id):
+        woken |= lifecycle.kill_job(session, job, f"cancelled: study {study.id} is ending ({reason})")
     return woken

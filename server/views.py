@@ -159,22 +159,21 @@ def _dominates(a: list[float], b: list[float], signs: list[float]) -> bool:
 
 def _trial_views(spec: schemas.StudySpec, rows: list[tuple[TuningTrial, str]]) -> list[schemas.TrialView]:
     signs = [1.0 if o.direction is schemas.Direction.MINIMIZE else -1.0 for o in spec.objectives]
-    complete = [t for t, _ in rows if t.state == schemas.TrialState.COMPLETE.value and t.values]
-    best_ids: set[int] = set()
-    if len(signs) == 1 and complete:
-        # Optuna's rule: the best value, the lowest trial number among equals
-        best_ids = {min(complete, key=lambda t: (t.values[0] * signs[0], t.number)).id}  # type: ignore[index]
-    else:
+    single = len(signs) == 1
+    complete = {t.id: t.values for t, _ in rows if t.state == schemas.TrialState.COMPLETE.value and t.values}
+    if single:
+        # the best value; among equal ones the lowest trial number (Optuna leaves ties to the database)
+        ranked = sorted((values[0] * signs[0], t.number, t.id) for t, _ in rows if (values := complete.get(t.id)))
+        best_ids = {ranked[0][2]} if ranked else set()
+    else:  # the Pareto front
         best_ids = {
-            t.id
-            for t in complete
-            if not any(_dominates(o.values or [], t.values or [], signs) for o in complete if o is not t)
+            i for i, v in complete.items() if not any(_dominates(o, v, signs) for j, o in complete.items() if j != i)
         }
     views, best = [], None
     for trial, job_state in rows:
-        if len(signs) == 1 and trial.id in {t.id for t in complete}:
-            value = trial.values[0]  # type: ignore[index]
-            best = value if best is None or value * signs[0] < best * signs[0] else best
+        values = complete.get(trial.id)
+        if single and values:
+            best = values[0] if best is None or values[0] * signs[0] < best * signs[0] else best
         views.append(
             schemas.TrialView(
                 number=trial.number,
@@ -186,7 +185,7 @@ def _trial_views(spec: schemas.StudySpec, rows: list[tuple[TuningTrial, str]]) -
                 last_step=trial.reported_step,
                 reason=trial.reason,
                 best=trial.id in best_ids,
-                best_so_far=best if len(signs) == 1 else None,
+                best_so_far=best if single else None,
                 created_at=trial.created_at,
                 ended_at=trial.ended_at,
             )

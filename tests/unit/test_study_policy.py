@@ -69,6 +69,11 @@ def test_after_n_trials_the_last_ones_finish_then_the_study_completes() -> None:
     assert finished.end is StudyState.COMPLETED and "all 6 trials ran" in finished.reason and not finished.cancel
 
 
+def test_the_study_ends_only_once_every_trial_is_told() -> None:
+    done = [trial(i, S.COMPLETE, J.COMPLETED, 0.1 * i) for i in range(5)]
+    assert plan(snapshot(*done, trial(5, S.RUNNING, J.COMPLETED))) == Plan()  # ended, not told yet
+
+
 def test_max_failed_trials_fails_the_study_and_cancels_what_runs() -> None:
     failed = [trial(0, S.FAIL, J.FAILED), trial(1, S.FAIL, J.COMPLETED)]  # a crash; no objective reported
     decided = plan(snapshot(*failed, trial(2, S.RUNNING, J.RUNNING), max_failed_trials=2))
