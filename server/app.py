@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from server import auth
 from server.api import agents, allocations, jobs, ops, studies, tokens
 from server.api.deps import get_principal
+from server.dashboard import pages
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
 from server.settings import Settings
@@ -71,6 +72,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     app.state.enqueue = enqueue or _enqueuer(settings)
     app.state.kick_scheduler = lambda: app.state.enqueue("phalanx.schedule")
     app.state.drive_study = lambda study_id: app.state.enqueue("phalanx.advance_study", study_id)
+    app.state.study_objectives = {}  # study id -> the metrics it optimises (specs never change)
     wake_job_watchers_after_commit(app.state.sessions, app.state.publisher, drive_study=app.state.drive_study)
     app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
     registry = CollectorRegistry()
@@ -89,4 +91,5 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(ops.router)
+    app.include_router(pages.router)
     return app

@@ -59,7 +59,7 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
 
 def objective_metrics(state: State, session: Session, study_id: int) -> frozenset[str]:
     """The metrics a study optimises (specs never change: cached per process)."""
-    cache: dict[int, frozenset[str]] = state.__dict__.setdefault("study_objectives", {})
+    cache: dict[int, frozenset[str]] = state.study_objectives
     if study_id not in cache:
         spec = session.execute(select(TuningStudy.spec).where(TuningStudy.id == study_id)).scalar_one()
         cache[study_id] = frozenset(o.metric for o in schemas.StudySpec.model_validate(spec).objectives)

@@ -45,15 +45,22 @@ def get_principal(request: Request) -> Principal:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing bearer token: set PHALANX_TOKEN (or pass Authorization: Bearer <token>)")
+    principal = authenticate(request, token)
+    if principal is None:
+        raise Unauthorized("the bearer token is not valid: check PHALANX_TOKEN, or ask an admin for a new one")
+    return principal
+
+
+def authenticate(request: Request, token: str) -> Principal | None:
+    """Who `token` belongs to (cached for a few seconds), or None for an unknown token."""
     cache: TokenCache = request.app.state.token_cache
     token_hash = hash_token(token)
     principal = cache.get(token_hash)
     if principal is None:
         with get_sessions(request)() as session:
             principal = lookup(session, token)
-        if principal is None:
-            raise Unauthorized("the bearer token is not valid: check PHALANX_TOKEN, or ask an admin for a new one")
-        cache.put(token_hash, principal)
+        if principal is not None:
+            cache.put(token_hash, principal)
     return principal
 
 

@@ -1,0 +1,145 @@
+"""Dashboard pages on a real PostgreSQL: sign-in, CSRF, who sees what, escaping, the kill button.
+(Rendering and live updates in a real browser come with the browser tests.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.dashboard import pages
+from server.settings import Settings
+from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+
+pytestmark = pytest.mark.integration
+USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, enqueue=lambda *_: None), follow_redirects=False) as test_client:
+        body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
+        assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+        yield test_client
+
+
+def submit(client: TestClient, headers: dict[str, str] = USER, **spec: Any) -> int:
+    body = {"name": "j", "entrypoint": "python t.py", **spec}
+    response = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(body))}, headers=headers)
+    assert response.status_code == 201, response.text
+    return int(response.json()["id"])
+
+
+def csrf(client: TestClient, page: str = "/login") -> str:
+    html = client.get(page).text
+    match = re.search(r'name="csrf_token" value="([^"]+)"', html)
+    assert match, html
+    return match.group(1)
+
+
+def sign_in(client: TestClient, token: str = ADMIN_TOKEN) -> None:
+    response = client.post("/login", data={"token": token, "next": "/jobs", "csrf_token": csrf(client)})
+    assert response.status_code == 303 and response.headers["location"] == "/jobs"
+
+
+def test_a_page_without_a_session_redirects_to_sign_in_and_back(client: TestClient) -> None:
+    response = client.get("/jobs/7?x=1")
+    assert response.status_code == 303 and response.headers["location"] == "/login?next=/jobs/7%3Fx%3D1"
+    login = client.get("/login?next=/jobs/7")
+    assert 'name="next" value="/jobs/7"' in login.text
+    cookie = login.headers["set-cookie"].lower()
+    assert "phalanx_csrf=" in cookie and "httponly" in cookie and "samesite=strict" in cookie
+    signed = client.post("/login", data={"token": ADMIN_TOKEN, "next": "/jobs/7", "csrf_token": csrf(client)})
+    assert signed.status_code == 303 and signed.headers["location"] == "/jobs/7"
+    session_cookie = signed.headers["set-cookie"].lower()
+    assert "phalanx_session=" in session_cookie and "httponly" in session_cookie and "samesite=strict" in session_cookie
+
+
+def test_sign_in_refuses_bad_tokens_forged_forms_and_open_redirects(client: TestClient) -> None:
+    token = csrf(client)
+    wrong = client.post("/login", data={"token": "phx_u_nope", "csrf_token": token})
+    assert wrong.status_code == 401 and "not a valid user token" in wrong.text
+    agent = client.post("/login", data={"token": AGENT_TOKEN, "csrf_token": token})
+    assert agent.status_code == 401
+    forged = client.post("/login", data={"token": ADMIN_TOKEN, "csrf_token": "guess"})
+    assert forged.status_code == 403 and "CSRF" in forged.text
+    missing = client.post("/login", data={"token": ADMIN_TOKEN})
+    assert missing.status_code == 403
+    away = client.post("/login", data={"token": ADMIN_TOKEN, "next": "//evil.example/x", "csrf_token": token})
+    assert away.status_code == 303 and away.headers["location"] == "/jobs"
+    assert client.get("/jobs").status_code == 200  # that last sign-in worked
+
+
+def test_the_jobs_table_filters_searches_and_pages(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = submit(client, name="alpha")
+    second = submit(client, name="beta")
+    client.post(f"/api/v1/jobs/{first}/kill", headers=USER)
+    sign_in(client)
+    table = client.get("/jobs").text
+    assert f'data-job="{first}"' in table and f'data-job="{second}"' in table and "CANCELLED" in table
+    only_cancelled = client.get("/jobs?state=CANCELLED").text
+    assert f'data-job="{first}"' in only_cancelled and f'data-job="{second}"' not in only_cancelled
+    searched = client.get("/jobs?q=bet").text
+    assert f'data-job="{second}"' in searched and f'data-job="{first}"' not in searched
+    assert "No jobs match" in client.get("/jobs?q=zzz").text
+    monkeypatch.setattr(pages, "PAGE_SIZE", 1)
+    page1, page2 = client.get("/jobs").text, client.get("/jobs?page=2").text
+    assert f'data-job="{second}"' in page1 and "older →" in page1
+    assert f'data-job="{first}"' in page2 and "← newer" in page2 and "older →" not in page2
+
+
+def test_user_text_is_escaped_everywhere(client: TestClient) -> None:
+    job_id = submit(client, hyperparameters={"note": "<script>alert('x')</script>"})
+    sign_in(client)
+    page = client.get(f"/jobs/{job_id}").text
+    assert "<script>alert" not in page
+    assert "\\u003cscript\\u003ealert" in page  # tojson's HTML-safe escape, shown as text
+
+
+def test_users_see_their_own_jobs_and_admins_every_job(client: TestClient) -> None:
+    alice = client.post("/api/v1/tokens", json={"kind": "user", "name": "alice"}, headers=USER).json()["token"]
+    admins = submit(client, name="admins-job")
+    alices = submit(client, headers={"Authorization": f"Bearer {alice}"}, name="alices-job")
+    sign_in(client, alice)
+    table = client.get("/jobs").text
+    assert f'data-job="{alices}"' in table and f'data-job="{admins}"' not in table
+    hidden = client.get(f"/jobs/{admins}")
+    assert hidden.status_code == 404 and "no job" in hidden.text
+    assert client.post(f"/jobs/{admins}/kill", data={"csrf_token": csrf(client, "/jobs")}).status_code == 404
+    sign_in(client)
+    assert f'data-job="{alices}"' in client.get("/jobs").text
+
+
+def test_unknown_jobs_get_a_404_page(client: TestClient) -> None:
+    sign_in(client)
+    response = client.get("/jobs/4242")
+    assert response.status_code == 404 and "text/html" in response.headers["content-type"]
+    assert "There is no job 4242" in response.text
+
+
+def test_the_kill_button_needs_its_csrf_token(client: TestClient) -> None:
+    job_id = submit(client)
+    sign_in(client)
+    page = client.get(f"/jobs/{job_id}").text
+    assert f'action="/jobs/{job_id}/kill"' in page and "confirm(" in page
+    assert client.post(f"/jobs/{job_id}/kill", data={"csrf_token": "forged"}).status_code == 403
+    assert client.post(f"/jobs/{job_id}/kill").status_code == 403
+    assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "QUEUED"
+    killed = client.post(f"/jobs/{job_id}/kill", data={"csrf_token": csrf(client, f"/jobs/{job_id}")})
+    assert killed.status_code == 303 and killed.headers["location"] == f"/jobs/{job_id}"
+    assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "CANCELLED"
+    assert 'action="/jobs/{job_id}/kill"' not in client.get(f"/jobs/{job_id}").text  # no kill for an ended job
+
+
+def test_sign_out(client: TestClient) -> None:
+    sign_in(client)
+    assert client.post("/logout", data={"csrf_token": "forged"}).status_code == 403
+    out = client.post("/logout", data={"csrf_token": csrf(client, "/jobs")})
+    assert out.status_code == 303 and out.headers["location"] == "/login"
+    assert client.get("/jobs").status_code == 303
