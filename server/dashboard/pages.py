@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import quote
 
+import yaml
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import select
@@ -136,7 +137,14 @@ def job_page(job_id: int, request: Request, session: SessionDep) -> Response:
         if row is None:
             return not_found(request, f"There is no job {job_id} that you can see.")
         job = views.job_detail(session, row)
-    return render(request, "job.html", job=job)
+    spec = job.spec.model_dump(mode="json")
+    return render(
+        request,
+        "job.html",
+        job=job,
+        hyperparameters=yaml.safe_dump(spec["hyperparameters"], sort_keys=False) if spec["hyperparameters"] else "",
+        job_file=yaml.safe_dump(spec, sort_keys=False),
+    )
 
 
 @router.post("/jobs/{job_id}/kill", response_model=None)
