@@ -44,8 +44,8 @@ def csrf(client: TestClient, page: str = "/login") -> str:
 
 
 def sign_in(client: TestClient, token: str = ADMIN_TOKEN) -> None:
-    response = client.post("/login", data={"token": token, "next": "/jobs", "csrf_token": csrf(client)})
-    assert response.status_code == 303 and response.headers["location"] == "/jobs"
+    response = client.post("/login", data={"token": token, "csrf_token": csrf(client)})
+    assert response.status_code == 303 and response.headers["location"] == "/overview"
 
 
 def test_a_page_without_a_session_redirects_to_sign_in_and_back(client: TestClient) -> None:
@@ -72,7 +72,7 @@ def test_sign_in_refuses_bad_tokens_forged_forms_and_open_redirects(client: Test
     missing = client.post("/login", data={"token": ADMIN_TOKEN})
     assert missing.status_code == 403
     away = client.post("/login", data={"token": ADMIN_TOKEN, "next": "//evil.example/x", "csrf_token": token})
-    assert away.status_code == 303 and away.headers["location"] == "/jobs"
+    assert away.status_code == 303 and away.headers["location"] == "/overview"
     assert client.get("/jobs").status_code == 200  # that last sign-in worked
 
 
@@ -143,3 +143,62 @@ def test_sign_out(client: TestClient) -> None:
     out = client.post("/logout", data={"csrf_token": csrf(client, "/jobs")})
     assert out.status_code == 303 and out.headers["location"] == "/login"
     assert client.get("/jobs").status_code == 303
+
+
+def schedule(settings: Settings) -> None:
+    from scheduler.service import schedule_pass
+    from server.db import session_scope
+
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+
+
+def test_the_agents_page_shows_who_holds_each_slot_and_drains(client: TestClient, settings: Settings) -> None:
+    job_id = submit(client, name="holder", resources={"nodes": 1, "slots_per_node": 2})
+    schedule(settings)
+    sign_in(client)
+    page = client.get("/agents").text
+    assert "a0" in page and all(f"job {job_id} (holder)</a>, rank {r}" in page for r in (0, 1))
+    assert "s ago" in page and 'action="/agents/1/drain"' in page
+    assert client.post("/agents/1/drain", data={"csrf_token": "forged"}).status_code == 403
+    assert client.get("/api/v1/agents", headers=USER).json()[0]["state"] == "ACTIVE"
+    drained = client.post("/agents/1/drain", data={"csrf_token": csrf(client, "/agents")})
+    assert drained.status_code == 303 and drained.headers["location"] == "/agents"
+    assert client.get("/api/v1/agents", headers=USER).json()[0]["state"] == "DRAINING"
+    assert "DRAINING" in client.get("/agents").text and "/agents/1/drain" not in client.get("/agents").text
+
+
+def test_the_overview_counts_slots_the_queue_and_failures(client: TestClient, settings: Settings) -> None:
+    submit(client, name="waits", resources={"nodes": 1, "slots_per_node": 2})
+    submit(client, name="queued-too")
+    schedule(settings)
+    sign_in(client)
+    page = client.get("/overview").text
+    assert "0 free · 2 used · 0 lost" in page and "1 queued" in page and "No failures." in page
+
+
+def test_the_logs_page_filters_by_rank_and_escapes(client: TestClient, settings: Settings) -> None:
+    job_id = submit(client, resources={"nodes": 1, "slots_per_node": 2})
+    schedule(settings)
+    (allocation,) = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"]
+    lines = [
+        {"rank": 0, "stream": "stdout", "time": 0.0, "line": "hello from <b>zero</b>"},
+        {"rank": 1, "stream": "stderr", "time": 0.0, "line": "hello from one"},
+    ]
+    url = f"/api/v1/agents/1/allocations/{allocation['id']}/logs"
+    assert client.post(url, json={"lines": lines}, headers=AGENT).status_code == 204
+    sign_in(client)
+    both = client.get(f"/jobs/{job_id}/logs").text
+    assert "[rank 0] hello from &lt;b&gt;zero&lt;/b&gt;" in both and "[rank 1] hello from one" in both
+    one = client.get(f"/jobs/{job_id}/logs?rank=1").text
+    assert "hello from one" in one and "zero" not in one
+    assert client.get("/jobs/999/logs").status_code == 404
+
+
+def test_checkpoint_downloads_need_a_session_and_a_checkpoint(client: TestClient) -> None:
+    job_id = submit(client)
+    assert client.get(f"/jobs/{job_id}/checkpoints/5/archive").status_code == 303
+    sign_in(client)
+    assert "No checkpoint yet." in client.get(f"/jobs/{job_id}").text
+    missing = client.get(f"/jobs/{job_id}/checkpoints/5/archive")
+    assert missing.status_code == 404 and "no checkpoint of step 5" in missing.text
