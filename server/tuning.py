@@ -13,7 +13,7 @@ first draw. Importing this module imports Optuna (≈0.4 s): only the server and
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+import threading
 from typing import Any
 
 import optuna
@@ -59,16 +59,30 @@ def check_schema(url: str) -> None:
         )
 
 
-@lru_cache(maxsize=4)
+_storages: dict[str, RDBStorage] = {}
+_storages_lock = threading.Lock()
+
+
 def storage(url: str) -> RDBStorage:
     """This process's Optuna storage on `url` (thread-safe: Optuna scopes a session per thread)."""
-    check_schema(url)
-    rdb = RDBStorage(url, engine_kwargs=_engine_kwargs(url), skip_table_creation=True)
-    if url.startswith("sqlite"):
-        # the same write-lock-first transactions as Phalanx's own engine, or two writers deadlock
-        sqlite_pragmas(rdb.engine)
-        rdb.engine.dispose()
-    return rdb
+    with _storages_lock:
+        if url not in _storages:
+            check_schema(url)
+            rdb = RDBStorage(url, engine_kwargs=_engine_kwargs(url), skip_table_creation=True)
+            if url.startswith("sqlite"):
+                # the same write-lock-first transactions as Phalanx's own engine, or two writers deadlock
+                sqlite_pragmas(rdb.engine)
+                rdb.engine.dispose()
+            _storages[url] = rdb
+        return _storages[url]
+
+
+def dispose_storages() -> None:
+    """Close every storage's connections (tests drop their databases; a process that ends)."""
+    with _storages_lock:
+        for rdb in _storages.values():
+            rdb.engine.dispose()
+        _storages.clear()
 
 
 def distributions(spec: schemas.StudySpec) -> dict[str, BaseDistribution]:

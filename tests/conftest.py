@@ -12,6 +12,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
+from server import tuning
 from server.db import engine_for, upgrade
 from server.settings import Settings
 
@@ -35,6 +36,7 @@ def pg_url() -> Iterator[str]:
     url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     upgrade(url)
     yield url
+    tuning.dispose_storages()
     engine_for(url).dispose()
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

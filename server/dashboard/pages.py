@@ -1,5 +1,5 @@
 """Dashboard pages: sign in and out, the overview, the jobs table, a job's page (kill button,
-checkpoint downloads, logs), the agents and their drain buttons.
+checkpoint downloads, logs), the agents and their drain buttons, the studies and their trials.
 
 Pages render on the server and read without JavaScript. A page without a valid session redirects
 to /login (and back after it); unknown or foreign ids render a 404 page; a POST without the right
@@ -18,12 +18,22 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx import schemas
-from server import checkpoints, lifecycle, views
+from server import checkpoints, lifecycle, studies, views
 from server.api.deps import SessionDep, authenticate
 from server.auth import Principal
 from server.dashboard.session import csrf_ok, csrf_token, current_user, remember_csrf, sign_in, sign_out
 from server.errors import Conflict, NotFound
-from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, SlotLease, utcnow
+from server.models import (
+    Agent,
+    Allocation,
+    AllocationNode,
+    Checkpoint,
+    Job,
+    LogLine,
+    SlotLease,
+    TuningStudy,
+    utcnow,
+)
 from server.wakeups import agent_channel
 
 router = APIRouter(include_in_schema=False)
@@ -335,3 +345,111 @@ def overview_page(request: Request, session: SessionDep) -> Response:
 def visible_count_by_state(user: Principal) -> Any:
     query = select(Job.state, func.count()).group_by(Job.state)
     return query if user.is_admin else query.where(Job.owner_id == user.user_id)
+
+
+def visible_studies(user: Principal) -> Any:
+    query = select(TuningStudy).options(selectinload(TuningStudy.owner))
+    return query if user.is_admin else query.where(TuningStudy.owner_id == user.user_id)
+
+
+@router.get("/studies", response_model=None)
+def studies_page(request: Request, session: SessionDep) -> Response:
+    user = current_user(request)
+    if user is None:
+        return to_login(request)
+    with session.begin():
+        rows = [
+            views.study(session, row) for row in session.scalars(visible_studies(user).order_by(TuningStudy.id.desc()))
+        ]
+    return render(request, "studies.html", studies=rows)
+
+
+TRIAL_SORTS = ("number", "value", "state")
+
+
+def sort_trials(trials: list[schemas.TrialView], key: str, descending: bool) -> list[schemas.TrialView]:
+    """By number, state, the first objective or a parameter; trials without one last either way."""
+
+    def raw(t: schemas.TrialView) -> Any:
+        if key == "value":
+            return t.values[0] if t.values else None
+        if key == "state":
+            return t.state.value
+        if key.startswith("param:"):
+            return t.params.get(key.removeprefix("param:"))
+        return t.number
+
+    def order(t: schemas.TrialView) -> tuple[bool, int, Any]:
+        value = raw(t)
+        missing = value is None
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        # numbers before text, compared as such; missing ones sort last whichever the direction
+        return missing != descending, 0 if numeric else 1, value if numeric else str(value)
+
+    return sorted(trials, key=order, reverse=descending)
+
+
+@router.get("/studies/{study_id}", response_model=None)
+def study_page(
+    study_id: int,
+    request: Request,
+    session: SessionDep,
+    sort: Annotated[str, Query(max_length=80)] = "number",
+    desc: Annotated[bool, Query()] = False,
+) -> Response:
+    user = current_user(request)
+    if user is None:
+        return to_login(request)
+    with session.begin():
+        row = session.scalars(visible_studies(user).where(TuningStudy.id == study_id)).one_or_none()
+        if row is None:
+            return not_found(request, f"There is no study {study_id} that you can see.")
+        study = views.study_detail(session, row)
+    params = list(study.spec.search_space)
+    key = sort if sort in TRIAL_SORTS or sort.removeprefix("param:") in params else "number"
+    return render(
+        request,
+        "study.html",
+        study=study,
+        trials=sort_trials(study.trials, key, desc),
+        params=params,
+        sort=key,
+        desc=desc,
+    )
+
+
+@router.post("/studies/{study_id}/{action}", response_model=None)
+def study_action(
+    study_id: int,
+    action: str,
+    request: Request,
+    session: SessionDep,
+    csrf: Annotated[str, Form(alias="csrf_token")] = "",
+) -> Response:
+    """The stop and resume buttons."""
+    user = current_user(request)
+    if user is None:
+        return to_login(request)
+    if not csrf_ok(request, csrf):
+        return forbidden(request)
+    if action not in ("stop", "resume"):
+        return not_found(request, f"There is no study action {action!r}.")
+    woken: set[int] = set()
+    try:
+        with session.begin():
+            if session.scalars(visible_studies(user).where(TuningStudy.id == study_id)).one_or_none() is None:
+                raise NotFound(f"There is no study {study_id} that you can see.")
+            row = studies.get_study(session, study_id, lock=True)
+            if action == "stop":
+                woken = studies.stop_study(session, row)
+            else:
+                studies.resume_study(session, row)
+    except NotFound as exc:
+        return not_found(request, exc.message)
+    except Conflict:
+        pass  # it changed meanwhile: its page says how
+    request.app.state.publisher.publish(agent_channel(a) for a in woken)
+    if action == "resume":
+        request.app.state.kick_scheduler()
+        request.app.state.drive_study(study_id)
+    return RedirectResponse(f"/studies/{study_id}", status_code=303)

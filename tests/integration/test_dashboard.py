@@ -202,3 +202,33 @@ def test_checkpoint_downloads_need_a_session_and_a_checkpoint(client: TestClient
     assert "No checkpoint yet." in client.get(f"/jobs/{job_id}").text
     missing = client.get(f"/jobs/{job_id}/checkpoints/5/archive")
     assert missing.status_code == 404 and "no checkpoint of step 5" in missing.text
+
+
+def test_the_study_pages_list_sort_mark_the_best_and_stop(client: TestClient, settings: Settings) -> None:
+    from tests.integration.test_studies import create, driver, finish, report, start_trial, study_body, trials
+
+    study = create(client, study_body(n_trials=3, parallelism=2)).json()
+    driver(settings).advance(study["id"])
+    for trial, loss in zip(trials(client, study["id"]), (0.3, 0.1), strict=True):
+        allocation, agent = start_trial(client, settings, trial["job_id"])
+        report(client, allocation, {0: {"loss": loss}})
+        finish(client, allocation, agent)
+    driver(settings).advance(study["id"])  # tells both, launches trial 2
+    sign_in(client)
+    listed = client.get("/studies").text
+    assert f'data-study="{study["id"]}"' in listed and "3/3" in listed and "0.1 (trial 1)" in listed
+    page = client.get(f"/studies/{study['id']}").text
+    assert page.index('data-trial="0"') < page.index('data-trial="1"') < page.index('data-trial="2"')
+    assert '<tr data-trial="1" class="best">' in page and "★" in page
+    by_value = client.get(f"/studies/{study['id']}?sort=value").text
+    # ascending by value: 0.1, 0.3, then the trial without a value
+    assert by_value.index('data-trial="1"') < by_value.index('data-trial="0"') < by_value.index('data-trial="2"')
+    by_x = client.get(f"/studies/{study['id']}?sort=param:x&desc=true").text
+    assert "x ▼" in by_x
+    assert client.get(f"/studies/{study['id']}?sort=evil").status_code == 200  # an unknown key sorts by number
+    assert client.post(f"/studies/{study['id']}/stop", data={"csrf_token": "forged"}).status_code == 403
+    stopped = client.post(f"/studies/{study['id']}/stop", data={"csrf_token": csrf(client, "/studies")})
+    assert stopped.status_code == 303
+    assert client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()["state"] == "STOPPED"
+    assert 'action="/studies/1/resume"' in client.get(f"/studies/{study['id']}").text
+    assert client.get("/studies/99").status_code == 404
