@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
-from server import auth
+from server import auth, dashboard
 from server.api import agents, allocations, jobs, ops, studies, tokens
 from server.api.deps import get_principal
-from server.dashboard import pages
+from server.dashboard import render as dashboard_render
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
 from server.settings import Settings
@@ -91,5 +91,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(ops.router)
-    app.include_router(pages.router)
+    for router in dashboard.ROUTERS:
+        app.include_router(router)
+    dashboard_render.install(app)
     return app

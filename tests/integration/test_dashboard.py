@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
-from server.dashboard import pages
+from server.dashboard import job_pages
 from server.settings import Settings
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 
@@ -88,7 +88,7 @@ def test_the_jobs_table_filters_searches_and_pages(client: TestClient, monkeypat
     searched = client.get("/jobs?q=bet").text
     assert f'data-job="{second}"' in searched and f'data-job="{first}"' not in searched
     assert "No jobs match" in client.get("/jobs?q=zzz").text
-    monkeypatch.setattr(pages, "PAGE_SIZE", 1)
+    monkeypatch.setattr(job_pages, "PAGE_SIZE", 1)
     page1, page2 = client.get("/jobs").text, client.get("/jobs?page=2").text
     assert f'data-job="{second}"' in page1 and "older →" in page1
     assert f'data-job="{first}"' in page2 and "← newer" in page2 and "older →" not in page2

@@ -1,0 +1,110 @@
+"""The overview (slots, queue, running jobs, recent failures) and the agents with their drain buttons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import RedirectResponse, Response
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from phalanx import schemas
+from server import lifecycle, views
+from server.api.deps import SessionDep
+from server.auth import Principal
+from server.dashboard.job_pages import visible_jobs
+from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
+from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, utcnow
+from server.wakeups import agent_channel
+
+router = APIRouter(include_in_schema=False)
+RECENT_FAILURES = 5
+
+
+@router.get("/overview", response_model=None)
+def overview_page(request: Request, session: SessionDep, user: SignedIn) -> Response:
+    with session.begin():
+        agents = views.agents(session, list(session.scalars(select(Agent).order_by(Agent.id))))
+        slots = {"free": 0, "used": 0, "lost": 0}
+        for agent in agents:
+            total = agent.cpu_slots + agent.gpu_slots
+            used = agent.used_cpu_slots + agent.used_gpu_slots
+            if agent.state is schemas.AgentState.LOST:
+                slots["lost"] += total
+            else:
+                slots["used"] += used
+                slots["free"] += total - used if agent.state is schemas.AgentState.ACTIVE else 0
+        counts = {state: n for state, n in session.execute(count_by_state(user))}
+        running = [
+            views.job(session, row)
+            for row in session.scalars(
+                visible_jobs(user).where(Job.state == "RUNNING").order_by(Job.id.desc()).limit(20)
+            )
+        ]
+        failures = [
+            views.job(session, row, latest=False)
+            for row in session.scalars(
+                visible_jobs(user).where(Job.state == "FAILED").order_by(Job.ended_at.desc()).limit(RECENT_FAILURES)
+            )
+        ]
+    return render(
+        request, "overview.html", agents=agents, slots=slots, counts=counts, running=running, failures=failures
+    )
+
+
+def count_by_state(user: Principal) -> Any:
+    query = select(Job.state, func.count()).group_by(Job.state)
+    return query if user.is_admin else query.where(Job.owner_id == user.user_id)
+
+
+@router.get("/agents", response_model=None)
+def agents_page(request: Request, session: SessionDep, _: SignedIn) -> Response:
+    """Every agent's slots, which job and rank holds each, its heartbeat's age, a drain button."""
+    with session.begin():
+        agents = list(session.scalars(select(Agent).order_by(Agent.id)))
+        now = session.execute(select(utcnow())).scalar_one()
+        holders = slot_holders(session)
+        rows = [
+            {
+                "agent": view,
+                "heartbeat_age": (now - view.last_heartbeat).total_seconds(),
+                "slots": [
+                    (slot_type, index, holders.get((view.id, slot_type, index)))
+                    for slot_type, count in (("cpu", view.cpu_slots), ("gpu", view.gpu_slots))
+                    for index in range(count)
+                ],
+            }
+            for view in views.agents(session, agents)
+        ]
+    return render(request, "agents.html", rows=rows)
+
+
+def slot_holders(session: Session) -> dict[tuple[int, str, int], tuple[int, str, int]]:
+    """(agent, slot type, slot index) → (job id, job name, global rank) for every held slot."""
+    held = session.execute(
+        select(SlotLease, AllocationNode, Job)
+        .join(AllocationNode, AllocationNode.id == SlotLease.node_id)
+        .join(Allocation, Allocation.id == AllocationNode.allocation_id)
+        .join(Job, Job.id == Allocation.job_id)
+    )
+    holders = {}
+    for lease, node, job in held:
+        local_rank = list(node.slot_indices).index(lease.slot_index)
+        holders[(lease.agent_id, lease.slot_type, lease.slot_index)] = (
+            job.id,
+            job.name,
+            node.node_rank * job.slots_per_node + local_rank,
+        )
+    return holders
+
+
+@router.post("/agents/{agent_id}/drain", response_model=None)
+def drain_agent(agent_id: int, request: Request, session: SessionDep, _: SignedIn, __: CsrfChecked) -> Response:
+    with session.begin():
+        agent = session.get(Agent, agent_id, with_for_update=True)
+        if agent is None:
+            raise PageNotFound(f"There is no agent {agent_id}.")
+        woken = lifecycle.drain_agent(session, agent) | {agent.id}
+    request.app.state.publisher.publish(agent_channel(a) for a in woken)
+    return RedirectResponse("/agents", status_code=303)

@@ -1,0 +1,68 @@
+"""What every dashboard page shares: rendering, and its three refusals, raised from anywhere in a
+route and turned into pages in one place: no session (→ /login and back), a forged form (403),
+an unknown or foreign id (404)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+from urllib.parse import quote
+
+from fastapi import Depends, FastAPI, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+
+from server.auth import Principal
+from server.dashboard.session import csrf_ok, csrf_token, current_user, remember_csrf
+
+
+class SignInRequired(Exception):
+    pass
+
+
+class CsrfRejected(Exception):
+    pass
+
+
+class PageNotFound(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+    context = {"user": current_user(request), "csrf_token": csrf_token(request), **context}
+    response: HTMLResponse = request.app.state.templates.TemplateResponse(
+        request, template, context, status_code=status
+    )
+    return remember_csrf(request, response)
+
+
+def signed_in(request: Request) -> Principal:
+    user = current_user(request)
+    if user is None:
+        raise SignInRequired
+    return user
+
+
+def csrf_checked(request: Request, csrf_token: Annotated[str, Form()] = "") -> None:
+    if not csrf_ok(request, csrf_token):
+        raise CsrfRejected
+
+
+SignedIn = Annotated[Principal, Depends(signed_in)]
+CsrfChecked = Annotated[None, Depends(csrf_checked)]  # declare it after SignedIn: session first
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(SignInRequired)
+    async def _sign_in(request: Request, _: SignInRequired) -> RedirectResponse:
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(f"/login?next={quote(target)}", status_code=303)
+
+    @app.exception_handler(CsrfRejected)
+    async def _forbidden(request: Request, _: CsrfRejected) -> HTMLResponse:
+        message = "The form's CSRF token is missing or wrong. Reload the page and try again."
+        return render(request, "error.html", 403, title="Forbidden", message=message)
+
+    @app.exception_handler(PageNotFound)
+    async def _not_found(request: Request, exc: PageNotFound) -> HTMLResponse:
+        return render(request, "error.html", 404, title="Not found", message=exc.message)

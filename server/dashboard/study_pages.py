@@ -1,0 +1,116 @@
+"""The studies and a study's trials (sortable, the best marked), with stop and resume.
+Users see their own studies; admins see all."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import RedirectResponse, Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from phalanx import schemas
+from server import studies, views
+from server.api.deps import SessionDep
+from server.auth import Principal
+from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
+from server.errors import Conflict
+from server.models import TuningStudy
+from server.wakeups import agent_channel
+
+router = APIRouter(include_in_schema=False)
+
+
+def visible_studies(user: Principal) -> Any:
+    query = select(TuningStudy).options(selectinload(TuningStudy.owner))
+    return query if user.is_admin else query.where(TuningStudy.owner_id == user.user_id)
+
+
+def visible_study(session: Session, user: Principal, study_id: int) -> TuningStudy:
+    study: TuningStudy | None = session.scalars(visible_studies(user).where(TuningStudy.id == study_id)).one_or_none()
+    if study is None:
+        raise PageNotFound(f"There is no study {study_id} that you can see.")
+    return study
+
+
+@router.get("/studies", response_model=None)
+def studies_page(request: Request, session: SessionDep, user: SignedIn) -> Response:
+    with session.begin():
+        query = visible_studies(user).order_by(TuningStudy.id.desc())
+        rows = [views.study(session, row) for row in session.scalars(query)]
+    return render(request, "studies.html", studies=rows)
+
+
+TRIAL_SORTS = ("number", "value", "state")
+
+
+def sort_trials(trials: list[schemas.TrialView], key: str, descending: bool) -> list[schemas.TrialView]:
+    """By number, state, the first objective or a parameter; trials without one last either way."""
+
+    def raw(t: schemas.TrialView) -> Any:
+        if key == "value":
+            return t.values[0] if t.values else None
+        if key == "state":
+            return t.state.value
+        if key.startswith("param:"):
+            return t.params.get(key.removeprefix("param:"))
+        return t.number
+
+    def order(t: schemas.TrialView) -> tuple[bool, int, Any]:
+        value = raw(t)
+        missing = value is None
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        # numbers before text, compared as such; missing ones sort last whichever the direction
+        return missing != descending, 0 if numeric else 1, value if numeric else str(value)
+
+    return sorted(trials, key=order, reverse=descending)
+
+
+@router.get("/studies/{study_id}", response_model=None)
+def study_page(
+    study_id: int,
+    request: Request,
+    session: SessionDep,
+    user: SignedIn,
+    sort: Annotated[str, Query(max_length=80)] = "number",
+    desc: Annotated[bool, Query()] = False,
+) -> Response:
+    with session.begin():
+        study = views.study_detail(session, visible_study(session, user, study_id))
+    params = list(study.spec.search_space)
+    key = sort if sort in TRIAL_SORTS or sort.removeprefix("param:") in params else "number"
+    return render(
+        request,
+        "study.html",
+        study=study,
+        trials=sort_trials(study.trials, key, desc),
+        params=params,
+        sort=key,
+        desc=desc,
+    )
+
+
+@router.post("/studies/{study_id}/{action}", response_model=None)
+def study_action(
+    study_id: int, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
+) -> Response:
+    """The stop and resume buttons."""
+    if action not in ("stop", "resume"):
+        raise PageNotFound(f"There is no study action {action!r}.")
+    woken: set[int] = set()
+    try:
+        with session.begin():
+            visible_study(session, user, study_id)
+            row = studies.get_study(session, study_id, lock=True)
+            if action == "stop":
+                woken = studies.stop_study(session, row)
+            else:
+                studies.resume_study(session, row)
+    except Conflict:
+        pass  # it changed meanwhile: its page says how
+    request.app.state.publisher.publish(agent_channel(a) for a in woken)
+    if action == "resume":
+        request.app.state.kick_scheduler()
+        request.app.state.drive_study(study_id)
+    return RedirectResponse(f"/studies/{study_id}", status_code=303)
