@@ -40,6 +40,12 @@ def latest_checkpoint(session: Session, job_id: int) -> Checkpoint | None:
     ).first()
 
 
+def committed(session: Session, job_id: int) -> list[Checkpoint]:
+    """The job's checkpoints whose files are complete, oldest step first."""
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED)
+    return list(session.scalars(query.order_by(Checkpoint.step)))
+
+
 def supersede_redone_steps(session: Session, job_id: int, new_allocation_id: int, resume_step: int | None) -> None:
     """The new attempt re-does every step after its resume point: mark older points for them."""
     query = update(Metric).where(

@@ -7,10 +7,27 @@ import json
 from collections import Counter
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from phalanx import schemas
-from server.models import Agent, Allocation, Checkpoint, Job, LogLine, SlotLease, TuningStudy, TuningTrial
+from server.models import (
+    Agent,
+    Allocation,
+    AllocationNode,
+    Checkpoint,
+    Job,
+    LogLine,
+    SlotLease,
+    TuningStudy,
+    TuningTrial,
+)
+
+# Loader options for a query whose rows `job_detail` converts: events, attempts, nodes and agents
+# in four queries, whatever the number of attempts.
+JOB_DETAIL_LOADS = (
+    selectinload(Job.events),
+    selectinload(Job.allocations).selectinload(Allocation.nodes).selectinload(AllocationNode.agent),
+)
 
 
 def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:

@@ -15,7 +15,7 @@ from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
 from server.api.uploads import parse_spec, refuse_oversized, store_bundle
 from server.errors import NotFound
-from server.models import Allocation, AllocationNode, Checkpoint, Job, LogLine, Metric
+from server.models import Checkpoint, Job, LogLine, Metric
 from server.wakeups import agent_channel, job_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -58,14 +58,7 @@ def list_jobs(
 
 def _load_job_detail(session: Session, job_id: int) -> schemas.JobDetail:
     with session.begin():
-        job = session.scalars(
-            select(Job)
-            .where(Job.id == job_id)
-            .options(
-                selectinload(Job.events),
-                selectinload(Job.allocations).selectinload(Allocation.nodes).selectinload(AllocationNode.agent),
-            )
-        ).one_or_none()
+        job = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one_or_none()
         if job is None:
             raise NotFound(f"job {job_id} does not exist; `phalanx jobs list` shows the jobs you can see")
         return views.job_detail(session, job)
@@ -194,12 +187,7 @@ def resume_job(job_id: int, request: Request, session: SessionDep, _: UserDep) -
 def list_checkpoints(job_id: int, session: SessionDep, _: UserDep) -> list[schemas.CheckpointView]:
     with session.begin():
         lifecycle.get_job(session, job_id)
-        rows = session.scalars(
-            select(Checkpoint)
-            .where(Checkpoint.job_id == job_id, Checkpoint.state == checkpoints.COMMITTED)
-            .order_by(Checkpoint.step)
-        )
-        return [views.checkpoint(row) for row in rows]
+        return [views.checkpoint(row) for row in checkpoints.committed(session, job_id)]
 
 
 @router.get("/{job_id}/checkpoints/{step}/archive", response_class=StreamingResponse)

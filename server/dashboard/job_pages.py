@@ -17,7 +17,7 @@ from server.api.deps import SessionDep
 from server.auth import Principal
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
 from server.errors import Conflict
-from server.models import Allocation, AllocationNode, Checkpoint, Job, LogLine
+from server.models import Checkpoint, Job, LogLine
 from server.wakeups import agent_channel
 
 router = APIRouter(include_in_schema=False)
@@ -68,25 +68,11 @@ def jobs_page(
 @router.get("/jobs/{job_id}", response_model=None)
 def job_page(job_id: int, request: Request, session: SessionDep, user: SignedIn) -> Response:
     with session.begin():
-        row = session.scalars(
-            visible_jobs(user)
-            .where(Job.id == job_id)
-            .options(
-                selectinload(Job.events),
-                selectinload(Job.allocations).selectinload(Allocation.nodes).selectinload(AllocationNode.agent),
-            )
-        ).one_or_none()
+        row = session.scalars(visible_jobs(user).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one_or_none()
         if row is None:
             raise PageNotFound(f"There is no job {job_id} that you can see.")
         job = views.job_detail(session, row)
-        saved = [
-            views.checkpoint(c)
-            for c in session.scalars(
-                select(Checkpoint)
-                .where(Checkpoint.job_id == job_id, Checkpoint.state == checkpoints.COMMITTED)
-                .order_by(Checkpoint.step)
-            )
-        ]
+        saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
     spec = job.spec.model_dump(mode="json")
     return render(
         request,
