@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-unit test-integration test-e2e bench lint format clean
+.PHONY: install demo test test-unit test-integration test-e2e test-browser bench lint format clean vendor
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,9 @@ test-integration: install
 test-e2e: install
 	$(VENV)/bin/pytest tests/e2e
 
+test-browser: install
+	$(VENV)/bin/pytest tests/browser
+
 bench: install
 	$(PY) -m bench.run_all
 
@@ -42,6 +45,10 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# the dashboard's front-end files, again from the npm registry, checked against their digests
+vendor:
+	bash web/vendor.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

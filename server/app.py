@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
@@ -91,6 +92,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(ops.router)
+    app.mount("/static", StaticFiles(directory=WEB_DIR / "static"), name="static")
     for router in dashboard.ROUTERS:
         app.include_router(router)
     dashboard_render.install(app)
