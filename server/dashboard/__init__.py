@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server.dashboard import cluster_pages, job_pages, sign_in, study_pages
+from server.dashboard import cluster_pages, job_pages, live, sign_in, study_pages, submit_pages
 
-ROUTERS: tuple[APIRouter, ...] = (sign_in.router, cluster_pages.router, job_pages.router, study_pages.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    sign_in.router,
+    cluster_pages.router,
+    job_pages.router,
+    study_pages.router,
+    submit_pages.router,
+    live.router,
+)
