@@ -57,6 +57,15 @@ def study_channel(study_id: int) -> str:
     return f"study:{study_id}"
 
 
+def job_data_channel(job_id: int) -> str:
+    """Woken when a job's metrics, logs or checkpoints arrive (the dashboard's live charts and logs);
+    apart from `job_channel` so that state long-polls are not woken by every metric batch."""
+    return f"job-data:{job_id}"
+
+
+JOBS_CHANNEL = "jobs"  # any job changed state (the dashboard's jobs table and overview)
+
+
 def note_job_change(session: Session, job_id: int) -> None:
     """Remember that `job_id` changed state in this session's transaction (published on commit)."""
     session.info.setdefault(_CHANGED_JOBS, set()).add(job_id)
@@ -104,7 +113,8 @@ def wake_job_watchers_after_commit(
         studies = session.info.pop(_CHANGED_STUDIES, None) or set()
         ended = session.info.pop(_ENDED_TRIAL_STUDIES, None) or set()
         if jobs or studies:
-            publisher.publish([*(job_channel(j) for j in jobs), *(study_channel(s) for s in studies)])
+            channels = [*(job_channel(j) for j in jobs), *(study_channel(s) for s in studies)]
+            publisher.publish([*channels, JOBS_CHANNEL] if jobs else channels)
         if drive_study is not None:
             for study_id in ended:
                 drive_study(study_id)
@@ -178,15 +188,18 @@ class Waiter:
                 await asyncio.sleep(1.0)
 
     @contextlib.asynccontextmanager
-    async def listen(self, channel: str) -> AsyncIterator[asyncio.Event]:
+    async def listen(self, *channels: str) -> AsyncIterator[asyncio.Event]:
+        """One event, set when any of `channels` is woken."""
         event = asyncio.Event()
-        self._events[channel].add(event)
+        for channel in channels:
+            self._events[channel].add(event)
         try:
             yield event
         finally:
-            self._events[channel].discard(event)
-            if not self._events[channel]:
-                del self._events[channel]
+            for channel in channels:
+                self._events[channel].discard(event)
+                if not self._events[channel]:
+                    del self._events[channel]
 
     async def until_changed(
         self,

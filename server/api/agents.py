@@ -29,7 +29,7 @@ from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import from_unix
 from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
 from server.settings import Settings
-from server.wakeups import agent_channel
+from server.wakeups import agent_channel, job_data_channel
 
 router = APIRouter(prefix="/agents", tags=["agents"])
 # A hung peer is seen at the process-group timeout; torch's default (30 min for NCCL) is far too long.
@@ -268,7 +268,7 @@ async def ship_logs(
     except ValidationError as exc:
         raise Unprocessable(f"invalid log batch: {exc.errors()[0]['msg']}", exc.errors()) from exc
 
-    def store() -> None:
+    def store() -> int:
         with request.app.state.sessions() as session, session.begin():
             hosted = exists().where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == agent_id)
             row = session.execute(
@@ -297,6 +297,8 @@ async def ship_logs(
                     for line in batch.lines
                 ],
             )
+        return int(job_id)
 
-    await run_in_threadpool(store)
+    job_id = await run_in_threadpool(store)
+    request.app.state.publisher.publish([job_data_channel(job_id)])  # live log views
     return Response(status_code=204)

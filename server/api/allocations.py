@@ -15,6 +15,7 @@ from server.api.deps import AgentDep, SessionDep, SettingsDep, read_capped_body
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import first_delivery, insert_metrics, record_progress
 from server.models import Allocation, TuningStudy, TuningTrial
+from server.wakeups import job_data_channel
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
 
@@ -28,8 +29,9 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
     except ValidationError as exc:
         raise Unprocessable(f"invalid metric batch: {exc.errors()[0]['msg']}", exc.errors()[:10]) from exc
 
-    def store() -> int | None:
-        """Store the batch; returns the study to drive when it carries a trial's objective."""
+    def store() -> tuple[int, int | None] | None:
+        """Store the batch; returns its job and the study to drive when it carries a trial's
+        objective (None for a retried batch, stored already)."""
         with request.app.state.sessions() as session, session.begin():
             row = session.execute(
                 select(Allocation.job_id, Allocation.active, Allocation.fenced, TuningTrial.study_id)
@@ -47,11 +49,15 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
             # last (a row lock until commit): progress for hang detection, and the latest values
             record_progress(session, allocation_id, batch.records)
             if study_id is None:
-                return None
+                return job_id, None
             objectives = objective_metrics(request.app.state, session, study_id)
-        return study_id if any(objectives.intersection(r.values) for r in batch.records) else None
+        return job_id, study_id if any(objectives.intersection(r.values) for r in batch.records) else None
 
-    study_id = await run_in_threadpool(store)
+    stored = await run_in_threadpool(store)
+    if stored is None:
+        return Response(status_code=204)
+    job_id, study_id = stored
+    request.app.state.publisher.publish([job_data_channel(job_id)])  # live charts
     if study_id is not None:  # intermediate values for Optuna, and its pruner's verdict
         request.app.state.drive_study(study_id)
     return Response(status_code=204)
@@ -83,5 +89,6 @@ def commit_checkpoint(
         job = lifecycle.get_job(session, allocation.job_id, lock=True)
         row = checkpoints.commit(session, allocation, job, body, settings.checkpoint_uri)
         result = views.checkpoint(row)
+    request.app.state.publisher.publish([job_data_channel(job.id)])
     request.app.state.enqueue("phalanx.delete_checkpoints", job.id)
     return result

@@ -13,7 +13,7 @@ from phalanx import schemas
 from server import lifecycle, views
 from server.api.deps import SessionDep
 from server.auth import Principal
-from server.dashboard.job_pages import visible_jobs
+from server.dashboard.job_pages import jobs_version, visible_jobs
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, utcnow
 from server.wakeups import agent_channel
@@ -48,8 +48,16 @@ def overview_page(request: Request, session: SessionDep, user: SignedIn) -> Resp
                 visible_jobs(user).where(Job.state == "FAILED").order_by(Job.ended_at.desc()).limit(RECENT_FAILURES)
             )
         ]
+        version = jobs_version(session)
     return render(
-        request, "overview.html", agents=agents, slots=slots, counts=counts, running=running, failures=failures
+        request,
+        "overview.html",
+        agents=agents,
+        slots=slots,
+        counts=counts,
+        running=running,
+        failures=failures,
+        version=version,
     )
 
 

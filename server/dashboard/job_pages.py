@@ -3,25 +3,30 @@ Users see their own jobs; admins see all."""
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
+import orjson
 import yaml
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx import schemas
 from server import checkpoints, lifecycle, views
 from server.api.deps import SessionDep
 from server.auth import Principal
+from server.dashboard import metric_series
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
 from server.errors import Conflict
-from server.models import Checkpoint, Job, LogLine
+from server.models import Checkpoint, Job, JobEvent, LogLine
 from server.wakeups import agent_channel
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
+LOG_TAIL = 200  # lines on a job's page; the logs page shows more
+TERMINAL = frozenset(state.value for state in schemas.JobState if state.is_terminal)
 
 
 def visible_jobs(user: Principal) -> Any:
@@ -34,6 +39,11 @@ def visible_job(session: Session, user: Principal, job_id: int) -> Job:
     if job is None:
         raise PageNotFound(f"There is no job {job_id} that you can see.")
     return job
+
+
+def jobs_version(session: Session) -> str:
+    """Changes whenever any job changes state (every transition records an event)."""
+    return str(session.execute(select(func.max(JobEvent.id))).scalar_one() or 0)
 
 
 @router.get("/jobs", response_model=None)
@@ -53,9 +63,11 @@ def jobs_page(
         query = query.where(Job.name.contains(q, autoescape=True))
     with session.begin():
         rows = [views.job(session, row) for row in session.scalars(query)]
+        version = jobs_version(session)
     return render(
         request,
         "jobs.html",
+        version=version,
         jobs=rows[:PAGE_SIZE],
         states=list(schemas.JobState),
         state=chosen,
@@ -67,34 +79,90 @@ def jobs_page(
 
 @router.get("/jobs/{job_id}", response_model=None)
 def job_page(job_id: int, request: Request, session: SessionDep, user: SignedIn) -> Response:
+    return _job_page(job_id, request, session, user)
+
+
+def _job_page(
+    job_id: int, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
+) -> Response:
     with session.begin():
         row = session.scalars(visible_jobs(user).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one_or_none()
         if row is None:
             raise PageNotFound(f"There is no job {job_id} that you can see.")
         job = views.job_detail(session, row)
         saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
+        log_cursor = session.execute(select(func.max(LogLine.id)).where(LogLine.job_id == job_id)).scalar_one() or 0
+        tail = [views.log_record(r) for r in reversed(list(session.scalars(_log_query(job_id, None, LOG_TAIL))))]
     spec = job.spec.model_dump(mode="json")
     return render(
         request,
         "job.html",
+        status,
         job=job,
         checkpoints=saved,
+        error=error,
+        log_tail=tail,
+        log_cursor=log_cursor,
+        ranks=list(range(job.spec.resources.nodes * job.spec.resources.slots_per_node)),
         hyperparameters=yaml.safe_dump(spec["hyperparameters"], sort_keys=False) if spec["hyperparameters"] else "",
         job_file=yaml.safe_dump(spec, sort_keys=False),
     )
 
 
-@router.post("/jobs/{job_id}/kill", response_model=None)
-def kill_job(job_id: int, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
+@router.get("/jobs/{job_id}/chart-data", response_model=None)
+def chart_data(
+    job_id: int,
+    session: SessionDep,
+    user: SignedIn,
+    points: Annotated[int, Query(ge=10, le=100_000)] = metric_series.MAX_POINTS,
+) -> Response:
+    """Every metric of the job as one series (x = step), LTTB-downsampled to `points`; `cursor`
+    is where the page's live stream (`/jobs/{id}/events?metrics_after=`) carries on."""
+    started = time.perf_counter()
+    with session.begin():
+        visible_job(session, user, job_id)
+        series, cursor = metric_series.load_series(session, job_id, points)
+    body = orjson.dumps({"cursor": cursor, "series": [s.as_json() for s in series]})
+    # Server-Timing: the browser's devtools (and the benchmark) see the server's share of a load
+    timing = f"chart;dur={(time.perf_counter() - started) * 1000:.1f}"
+    headers = {"Cache-Control": "no-store", "Server-Timing": timing}
+    return Response(body, media_type="application/json", headers=headers)
+
+
+JOB_ACTIONS = ("kill", "pause", "resume")
+
+
+@router.post("/jobs/{job_id}/{action}", response_model=None)
+def job_action(
+    job_id: int, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
+) -> Response:
+    """The kill, pause and resume buttons; a refusal (the job is not in a state for it) is shown
+    on the job's page."""
+    if action not in JOB_ACTIONS:
+        raise PageNotFound(f"There is no job action {action!r}; the buttons are {', '.join(JOB_ACTIONS)}.")
     woken: set[int] = set()
     try:
         with session.begin():
             visible_job(session, user, job_id)
-            woken = lifecycle.kill_job(session, lifecycle.get_job(session, job_id, lock=True))
-    except Conflict:
-        pass  # it ended meanwhile: its page says how
+            job = lifecycle.get_job(session, job_id, lock=True)
+            if action == "kill":
+                woken = lifecycle.kill_job(session, job)
+            elif action == "pause":
+                woken = lifecycle.pause_job(session, job)
+            else:
+                lifecycle.resume_job(session, job)
+    except Conflict as exc:
+        return _job_page(job_id, request, session, user, error=exc.message, status=409)
     request.app.state.publisher.publish(agent_channel(a) for a in woken)
+    if action == "resume":
+        request.app.state.kick_scheduler()
     return RedirectResponse(f"/jobs/{job_id}", status_code=303)
+
+
+def _log_query(job_id: int, rank: int | None, limit: int) -> Any:
+    """The newest `limit` lines (newest first), every rank interleaved or one rank's."""
+    query = select(LogLine).where(LogLine.job_id == job_id).order_by(LogLine.id.desc()).limit(limit)
+    return query if rank is None else query.where(LogLine.rank == rank)
 
 
 @router.get("/jobs/{job_id}/logs", response_model=None)
@@ -110,12 +178,20 @@ def logs_page(
     chosen = int(rank) if rank.isdigit() else None
     with session.begin():
         job = visible_job(session, user, job_id)
-        query = select(LogLine).where(LogLine.job_id == job_id).order_by(LogLine.id.desc()).limit(limit)
-        if chosen is not None:
-            query = query.where(LogLine.rank == chosen)
-        lines = [views.log_record(row) for row in reversed(list(session.scalars(query)))]
-        ranks, name = list(range(job.nodes * job.slots_per_node)), job.name
-    return render(request, "logs.html", job_id=job_id, name=name, lines=lines, ranks=ranks, rank=chosen)
+        lines = [views.log_record(row) for row in reversed(list(session.scalars(_log_query(job_id, chosen, limit))))]
+        ranks, name, terminal = list(range(job.nodes * job.slots_per_node)), job.name, job.state in TERMINAL
+    cursor = max((line.id for line in lines), default=0)
+    return render(
+        request,
+        "logs.html",
+        job_id=job_id,
+        name=name,
+        lines=lines,
+        ranks=ranks,
+        rank=chosen,
+        cursor=cursor,
+        live=not terminal,
+    )
 
 
 @router.get("/jobs/{job_id}/checkpoints/{step}/archive", response_model=None)

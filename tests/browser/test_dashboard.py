@@ -1,0 +1,82 @@
+"""The dashboard in a real browser against the real stack (PostgreSQL, Redis, scheduler, two
+agents, torchrun ranks): live updates without reloads, charts, logs, buttons, study pages."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from phalanx.client import load_job_file
+from tests.browser.conftest import shot, sign_in
+from tests.processes import REPO, Stack
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
+LIVE_S = 90_000  # ms: a job's start on 2 cores, its steps, its end
+
+
+def submit_scripted(stack: Stack, name: str, **hyperparameters: object) -> int:
+    spec, workdir = load_job_file(SCRIPTED)
+    spec = spec.model_copy(update={"name": name, "hyperparameters": {**spec.hyperparameters, **hyperparameters}})
+    with stack.client() as client:
+        return client.submit(spec, workdir).id
+
+
+def mark_page(page: Page) -> None:
+    """A flag that only survives while the page is not reloaded."""
+    page.evaluate("window.__notReloaded = true")
+
+
+def assert_not_reloaded(page: Page) -> None:
+    assert page.evaluate("window.__notReloaded === true"), "the page was reloaded"
+
+
+def test_a_job_goes_live_from_queued_to_completed_with_its_chart_and_both_ranks_logs(
+    stack: Stack, page: Page
+) -> None:
+    sign_in(page, stack, "/jobs")
+    shot(page, "jobs-empty")
+    mark_page(page)
+    steps = 30
+    job_id = submit_scripted(stack, "live-job", steps=steps, step_seconds=0.1)
+    # the table learns of the job over Server-Sent Events, without a reload
+    expect(page.locator(f'#jobs tr[data-job="{job_id}"]')).to_be_visible(timeout=LIVE_S)
+    assert_not_reloaded(page)
+
+    page.click(f'#jobs tr[data-job="{job_id}"] td a')
+    page.wait_for_url(f"{stack.url}/jobs/{job_id}")
+    mark_page(page)
+    expect(page.locator("#job-state")).to_have_text("COMPLETED", timeout=LIVE_S)
+    assert_not_reloaded(page)
+    chart = page.locator('.chart[data-metric="step_value"]')
+    expect(chart).to_have_attribute("data-points", str(steps), timeout=10_000)  # one point per reported step
+    expect(chart.locator("canvas")).to_be_visible()
+    logs = page.locator("#job-logs")
+    expect(logs).to_contain_text("step 0 rank 0")
+    expect(logs).to_contain_text("step 0 rank 1")
+    page.select_option("#log-rank", "1")  # the rank filter hides rank 0's lines
+    expect(logs.locator('span[data-rank="0"]').first).to_be_hidden()
+    expect(logs.locator('span[data-rank="1"]').first).to_be_visible()
+    shot(page, "job")
+
+    page.goto(f"{stack.url}/jobs/{job_id}/logs?rank=0")
+    expect(page.locator("#logs")).to_contain_text(f"step {steps - 1} rank 0")
+    shot(page, "logs")
+    for path, name in (("/overview", "overview"), ("/agents", "agents"), ("/jobs", "jobs")):
+        page.goto(stack.url + path)
+        shot(page, name)
+
+
+def test_the_kill_button_cancels_a_running_job_and_user_text_stays_text(stack: Stack, page: Page) -> None:
+    job_id = submit_scripted(stack, "to-kill", steps=10_000, step_seconds=0.1, note="<script>window.__xss=1</script>")
+    sign_in(page, stack, f"/jobs/{job_id}")
+    expect(page.locator("#job-state")).to_have_text("RUNNING", timeout=LIVE_S)
+    expect(page.locator('.chart[data-metric="step_value"] canvas')).to_be_visible(timeout=30_000)
+    expect(page.locator("pre").filter(has_text="<script>window.__xss=1</script>").first).to_be_visible()
+    assert page.evaluate("window.__xss === undefined")
+    shot(page, "running")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click('button[data-action="kill"]')
+    expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=LIVE_S)
+    expect(page.locator('button[data-action="kill"]')).to_have_count(0)
+    shot(page, "cancelled")
