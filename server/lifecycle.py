@@ -20,6 +20,7 @@ from scheduler.placement import AgentSlots, never_fits
 from server.errors import Conflict, NotFound, Unprocessable
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, utcnow
 from server.transitions import transition
+from server.wakeups import note_job_change
 
 
 def agent_slot_views(session: Session, agents: list[Agent]) -> list[AgentSlots]:
@@ -86,6 +87,7 @@ def create_job(
     )
     session.add(job)
     session.flush()
+    note_job_change(session, job.id)  # published on commit: the dashboard's tables show it at once
     return job
 
 

@@ -211,7 +211,7 @@ class SlotLease(Base):
 
 class Metric(Base):
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
+    __table_args__ = (Index("ix_metrics_job_name_rank_step", "job_id", "name", "rank", "step"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))

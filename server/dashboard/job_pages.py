@@ -42,8 +42,10 @@ def visible_job(session: Session, user: Principal, job_id: int) -> Job:
 
 
 def jobs_version(session: Session) -> str:
-    """Changes whenever any job changes state (every transition records an event)."""
-    return str(session.execute(select(func.max(JobEvent.id))).scalar_one() or 0)
+    """Changes whenever a job is submitted or changes state (every transition records an event)."""
+    newest_job = session.execute(select(func.max(Job.id))).scalar_one()
+    newest_event = session.execute(select(func.max(JobEvent.id))).scalar_one()
+    return f"{newest_job or 0}.{newest_event or 0}"
 
 
 @router.get("/jobs", response_model=None)

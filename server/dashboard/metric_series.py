@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from psycopg import sql
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from tsdownsample import LTTBDownsampler
@@ -69,18 +68,18 @@ def load_series(session: Session, job_id: int, max_points: int = MAX_POINTS) -> 
     series, cursor = [], 0
     for name in metric_names(session, job_id):
         rank = 0
-        ids, steps, values = fetch_points(session, job_id, name, rank)
-        if not len(ids):  # rank 0 does not report it: the lowest rank that does
+        newest, steps, values = fetch_points(session, job_id, name, rank)
+        if not len(steps):  # rank 0 does not report it: the lowest rank that does
             lowest = session.execute(
                 select(func.min(Metric.rank)).where(Metric.job_id == job_id, Metric.name == name)
             ).scalar_one()
             if lowest is None:
                 continue
             rank = lowest
-            ids, steps, values = fetch_points(session, job_id, name, rank)
-        if len(ids):
+            newest, steps, values = fetch_points(session, job_id, name, rank)
+        if len(steps):
             series.append(_series(name, rank, steps, values, max_points))
-            cursor = max(cursor, int(ids.max()))
+            cursor = max(cursor, newest)
     return series, cursor
 
 
@@ -93,37 +92,42 @@ def metric_names(session: Session, job_id: int) -> list[str]:
     return sorted(names)
 
 
-# COPY's binary rows of (id bigint, step bigint, value float8): a field count, then each field's
-# length and its big-endian value. numpy reads them as they come, without a Python object per row.
-_COPY_ROW = np.dtype(
-    [("fields", ">i2"), ("n1", ">i4"), ("id", ">i8"), ("n2", ">i4"), ("step", ">i8"), ("n3", ">i4"), ("value", ">f8")]
-)
-_COPY_HEADER = 19  # signature, flags, header extension length
 _SERIES_QUERY = (
     "SELECT id, step, value FROM metrics WHERE job_id = {job} AND name = {name} AND rank = {rank}"
     " AND NOT superseded ORDER BY step"
 )
+# PostgreSQL packs the series into two byte strings (big-endian int8 and float8) that numpy reads
+# as they are: a 100,000-point series in ~30 ms, where fetching rows as Python objects (or a COPY,
+# one message per row) took 70-500 ms. The aggregate reads the index-ordered subquery in order, as
+# PostgreSQL does in practice; `fetch_points` checks and sorts if it ever did not.
+_PACKED_SERIES_QUERY = (
+    "SELECT max(id), string_agg(int8send(step), ''::bytea), string_agg(float8send(value), ''::bytea)"
+    f" FROM ({_SERIES_QUERY.format(job='%s', name='%s', rank='%s')}) AS series"
+)
 
 
-def fetch_points(session: Session, job_id: int, name: str, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, steps, values) of one metric of one rank, by step. On PostgreSQL through a binary
-    COPY read straight into numpy (a 100,000-point series in a few tens of milliseconds, where
-    fetching rows as Python objects took several hundred)."""
+def fetch_points(session: Session, job_id: int, name: str, rank: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(highest id, steps, values) of one metric of one rank, by step; (0, [], []) for none."""
     connection = session.connection()
-    if connection.dialect.name != "postgresql":
+    if connection.dialect.name == "postgresql":
+        newest, packed_steps, packed_values = connection.exec_driver_sql(
+            _PACKED_SERIES_QUERY, (job_id, name, rank)
+        ).one()
+        if newest is None:
+            return 0, np.empty(0, np.int64), np.empty(0, np.float64)
+        steps = np.frombuffer(packed_steps, dtype=">i8").astype(np.int64)
+        values = np.frombuffer(packed_values, dtype=">f8").astype(np.float64)
+    else:
         fetched = connection.exec_driver_sql(
             _SERIES_QUERY.format(job="?", name="?", rank="?"), (job_id, name, rank)
         ).fetchall()
         table = np.array(fetched, dtype=np.float64).reshape(-1, 3)
-        return table[:, 0].astype(np.int64), table[:, 1].astype(np.int64), table[:, 2]
-    raw = connection.connection.driver_connection
-    assert raw is not None
-    query = sql.SQL(_SERIES_QUERY).format(job=sql.Literal(job_id), name=sql.Literal(name), rank=sql.Literal(rank))
-    with raw.cursor() as cursor, cursor.copy(sql.SQL("COPY ({}) TO STDOUT (FORMAT BINARY)").format(query)) as copy:
-        data = b"".join(bytes(chunk) for chunk in copy)
-    body = data[_COPY_HEADER : len(data) - 2]  # the trailer is a field count of -1
-    rows = np.frombuffer(body, dtype=_COPY_ROW, count=len(body) // _COPY_ROW.itemsize)
-    return rows["id"].astype(np.int64), rows["step"].astype(np.int64), rows["value"].astype(np.float64)
+        newest = int(table[:, 0].max()) if len(table) else 0
+        steps, values = table[:, 1].astype(np.int64), table[:, 2]
+    if len(steps) > 1 and (np.diff(steps) < 0).any():
+        order = np.argsort(steps, kind="stable")
+        steps, values = steps[order], values[order]
+    return int(newest), steps, values
 
 
 def _series(name: str, rank: int, steps: np.ndarray, values: np.ndarray, max_points: int) -> Series:
