@@ -76,6 +76,7 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
     app.state.study_objectives = {}  # study id -> the metrics it optimises (specs never change)
     wake_job_watchers_after_commit(app.state.sessions, app.state.publisher, drive_study=app.state.drive_study)
     app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
+    app.state.templates.env.filters["age"] = dashboard_render.age
     registry = CollectorRegistry()
     registry.register(ops.StateCollector(app.state.sessions))
     app.state.prometheus = registry

@@ -4,6 +4,7 @@ an unknown or foreign id (404)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -26,6 +27,15 @@ class PageNotFound(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+def age(since: datetime) -> str:
+    """How long ago a naive-UTC time was, as a person says it: "42 s", "5 min", "3 h", "2 d"."""
+    seconds = max((datetime.now(UTC).replace(tzinfo=None) - since).total_seconds(), 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit}"
+    return f"{int(seconds)} s"
 
 
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:

@@ -80,3 +80,41 @@ def test_the_kill_button_cancels_a_running_job_and_user_text_stays_text(stack: S
     expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=LIVE_S)
     expect(page.locator('button[data-action="kill"]')).to_have_count(0)
     shot(page, "cancelled")
+
+
+def test_the_study_page_lists_its_trials_with_the_pruned_one_marked(stack: Stack, page: Page) -> None:
+    from phalanx.schemas import StudySpec
+
+    spec, workdir = load_job_file(SCRIPTED)
+    trial = spec.model_dump(mode="json", exclude={"name"})
+    trial["resources"] = {"nodes": 1, "slots_per_node": 1}
+    trial["hyperparameters"] = {"steps": 12, "step_seconds": 0.25}
+    study = StudySpec.model_validate(
+        {
+            "name": "browser-tune",
+            "objective": {"metric": "loss", "direction": "minimize"},
+            "search_space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "sampler": {"type": "random", "seed": 0},
+            # the good configuration first, then a far worse one: the median pruner stops it
+            "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 2},
+            "enqueue": [{"x": 0.3}, {"x": 1.0}],
+            "n_trials": 2,
+            "parallelism": 1,
+            "trial": trial,
+        }
+    )
+    with stack.client() as client:
+        study_id = client.create_study(study, workdir).id
+        sign_in(page, stack, f"/studies/{study_id}")
+        mark_page(page)
+        done = client.wait_study(study_id, timeout=240)
+    assert done.state.value == "COMPLETED", done
+    # the page followed the study live, without a reload
+    expect(page.locator("#study-state")).to_have_text("COMPLETED", timeout=30_000)
+    expect(page.locator('#trials tr[data-trial="1"] .state')).to_have_text("PRUNED")
+    expect(page.locator('#trials tr[data-trial="0"] .state')).to_have_text("COMPLETE")
+    assert_not_reloaded(page)
+    shot(page, "study")
+    page.goto(stack.url + "/studies")
+    expect(page.locator("body")).to_contain_text("browser-tune")
+    shot(page, "studies")

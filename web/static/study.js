@@ -90,7 +90,8 @@
         width,
         height: 240,
         series,
-        scales: { x: { time: false } },
+        // one trial alone: a narrow range around it (uPlot's own would run 0..100)
+        scales: { x: { time: false, range: (u, min, max) => (min === max ? [min - 1, max + 1] : [min, max]) } },
         axes: axes("trial", data.metric + " (" + data.direction + ")"),
         cursor: { drag: { x: true, y: false }, points: { size: 9 } },
         legend: { live: true },
