@@ -101,6 +101,16 @@ BENCHMARKS = (
             f"<= x{r['goal_ratio']}; <= +{r['goal_added_s']} s",
         ),
     ),
+    Benchmark(
+        "dashboard",
+        "bench_dashboard.py",
+        quick_args=("--repeat", "5", "--loads", "2"),
+        summary=lambda r: (
+            f"chart data {r['chart_data_server_ms']} ms (x{r['chart_vs_raw']} of the raw read); "
+            f"load -> chart drawn {r['browser_load_to_chart_ms']} ms",
+            f"<= {r['goal_server_ms']} ms; <= {r['goal_browser_ms']} ms",
+        ),
+    ),
 )
 NAMES = tuple(b.name for b in BENCHMARKS)
 
