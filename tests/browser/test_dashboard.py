@@ -13,7 +13,7 @@ from playwright.sync_api import Page, expect
 
 from phalanx.client import load_job_file
 from tests.browser.conftest import ARTIFACTS, shot, sign_in
-from tests.conftest import ADMIN_TOKEN
+from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 from tests.processes import REPO, Stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
@@ -166,3 +166,51 @@ def test_a_100000_step_chart_is_downsampled_and_drawn_quickly(stack: Stack, page
     (ARTIFACTS / "chart-100k.json").write_text(json.dumps(figures))
     print(f"100,000-step chart: {figures}")
     assert figures["chart_data_server_ms"] < 1000 and figures["load_to_chart_drawn_ms"] < 5000, figures
+
+
+def test_the_embedded_stack_updates_the_job_page_live_too(tmp_path: Path, page: Page) -> None:
+    """`phalanx up` (SQLite, no Redis): the streams are woken through the data dir's files."""
+    import os
+    import subprocess
+
+    from phalanx.client import Client
+    from tests.processes import PHALANX, free_port, wait_for
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    data = tmp_path / "data"
+    data.mkdir()  # `phalanx up` keeps the tokens it finds there
+    (data / "credentials.json").write_text(json.dumps({"admin_token": ADMIN_TOKEN, "agent_token": AGENT_TOKEN}))
+    log = (tmp_path / "up.log").open("wb")
+    up = subprocess.Popen(
+        [*PHALANX, "up", "--port", str(port), "--data-dir", str(data)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        with Client(url, ADMIN_TOKEN) as client:
+            wait_for(lambda: client.healthy() and len(client.agents()) == 2, 90, "phalanx up to serve two agents")
+            spec, workdir = load_job_file(SCRIPTED)
+            spec = spec.model_copy(
+                update={"name": "embedded-live", "hyperparameters": {"steps": 25, "step_seconds": 0.1}}
+            )
+            job_id = client.submit(spec, workdir).id
+            page.goto(f"{url}/login?next=/jobs/{job_id}")
+            page.fill("input[name=token]", ADMIN_TOKEN)
+            page.click("button[type=submit]")
+            page.wait_for_url(f"{url}/jobs/{job_id}")
+            mark_page(page)
+            expect(page.locator("#job-state")).to_have_text("COMPLETED", timeout=LIVE_S)
+            expect(page.locator('.chart[data-metric="step_value"]')).to_have_attribute("data-points", "25")
+            expect(page.locator("#job-logs")).to_contain_text("step 24 rank 1")
+            assert_not_reloaded(page)
+            shot(page, "job")
+    except BaseException:
+        print((tmp_path / "up.log").read_text(errors="replace")[-6000:])
+        raise
+    finally:
+        up.terminate()
+        up.wait(timeout=60)
+        log.close()
