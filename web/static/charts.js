@@ -5,6 +5,10 @@
 (function () {
   "use strict";
 
+  // steps are whole numbers: ticks at 1, 2, 5 x 10^k only
+  const STEP_INCREMENTS = [];
+  for (let k = 1; k <= 1e9; k *= 10) STEP_INCREMENTS.push(k, 2 * k, 5 * k);
+
   const PALETTE = ["#2e5bff", "#e8590c", "#1a7f37", "#9c36b5", "#c0362c", "#0b7285", "#5f3dc4", "#a61e4d"];
 
   function smooth(values, weight) {
@@ -78,7 +82,10 @@
         height: this.height,
         series: uSeries,
         scales: { x: { time: false } },
-        axes: [{ label: xLabel, size: 40 }, { size: 60, values: (u, ticks) => ticks.map(formatValue) }],
+        axes: [
+          { label: xLabel, size: 40, incrs: STEP_INCREMENTS },
+          { size: 60, values: (u, ticks) => ticks.map(formatValue) },
+        ],
         cursor: { drag: { x: true, y: false } },
         legend: { live: true },
       };

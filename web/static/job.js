@@ -55,6 +55,19 @@
     root.dataset.drawn = String(performance.now()); // when the charts were drawn (tests, benchmark)
   }
 
+  // the summary's "latest" line, kept current from the stream (the summary itself is re-read
+  // only when the job's state, events or checkpoints change)
+  const latest = new Map();
+  let latestStep = null;
+  function showLatest(name, point) {
+    latest.set(name, point[1]);
+    latestStep = latestStep == null ? point[0] : Math.max(latestStep, point[0]);
+    const code = document.getElementById("job-latest");
+    if (!code) return;
+    const values = [...latest.keys()].sort().map((k) => k + "=" + PhalanxCharts.formatValue(latest.get(k)));
+    code.textContent = "step " + latestStep + ": " + values.join(" ");
+  }
+
   function appendPoints(update) {
     cursor = update.cursor;
     for (const [name, byRank] of Object.entries(update.points)) {
@@ -69,6 +82,7 @@
       const last = xs.length ? xs[xs.length - 1] : -Infinity;
       const fresh = points.filter((p) => p[0] > last); // a step once, in order
       entry.chart.append(fresh.map((p) => p[0]), [fresh.map((p) => p[1])]);
+      if (fresh.length) showLatest(name, fresh[fresh.length - 1]);
     }
   }
 
