@@ -14,8 +14,10 @@ from phalanx import schemas
 from server import checkpoints, lifecycle, views
 from server.api.deps import AgentDep, PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
 from server.api.uploads import parse_spec, refuse_oversized, store_bundle
+from server.auth import Principal
 from server.errors import NotFound
 from server.models import Checkpoint, Job, LogLine, Metric
+from server.settings import Settings
 from server.wakeups import agent_channel, job_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -31,11 +33,23 @@ def submit_job(
     bundle: Annotated[UploadFile | None, File(description="The workdir as .tar.gz")] = None,
 ) -> schemas.Job:
     refuse_oversized(request, settings)
-    job_spec = parse_spec(schemas.JobSpec, spec, "job spec")
+    return accept_job(request, session, settings, user, parse_spec(schemas.JobSpec, spec, "job spec"), bundle)
+
+
+def accept_job(
+    request: Request,
+    session: Session,
+    settings: Settings,
+    user: Principal,
+    spec: schemas.JobSpec,
+    bundle: UploadFile | None,
+) -> schemas.Job:
+    """Store the code bundle, queue the job (422 when no agents could ever host it, nothing
+    created) and wake the scheduler: a submission from the API or the dashboard."""
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     assert user.user_id is not None
     with session.begin():
-        job = lifecycle.create_job(session, job_spec, user.user_id, sha, size)
+        job = lifecycle.create_job(session, spec, user.user_id, sha, size)
         result = views.job(session, job, latest=False)
     request.app.state.kick_scheduler()
     return result

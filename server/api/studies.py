@@ -13,8 +13,10 @@ from phalanx import schemas
 from server import studies, views
 from server.api.deps import PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
 from server.api.uploads import parse_spec, refuse_oversized, store_bundle
+from server.auth import Principal
 from server.errors import Conflict, Unprocessable
 from server.models import TuningStudy
+from server.settings import Settings
 from server.wakeups import agent_channel, study_channel
 
 router = APIRouter(prefix="/studies", tags=["studies"])
@@ -31,11 +33,23 @@ def create_study(
 ) -> schemas.Study:
     """Validate the study (422 naming the field, nothing created) and start its driver."""
     refuse_oversized(request, settings)
-    study_spec = parse_spec(schemas.StudySpec, spec, "study spec")
+    return accept_study(request, session, settings, user, parse_spec(schemas.StudySpec, spec, "study spec"), bundle)
+
+
+def accept_study(
+    request: Request,
+    session: Session,
+    settings: Settings,
+    user: Principal,
+    spec: schemas.StudySpec,
+    bundle: UploadFile | None,
+) -> schemas.Study:
+    """Store the trials' code bundle, create the study (422 when no agents could ever host a trial,
+    nothing created) and start its driver: a study from the API or the dashboard."""
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     assert user.user_id is not None
     with session.begin():
-        row = studies.create_study(session, study_spec, user.user_id, sha, size)
+        row = studies.create_study(session, spec, user.user_id, sha, size)
         result = views.study(session, row)
     request.app.state.drive_study(result.id)
     return result

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from fastapi import Request, UploadFile
 from pydantic import BaseModel, ValidationError
@@ -16,14 +17,24 @@ from server.settings import Settings
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_spec(model: type[M], raw: str, what: str) -> M:
-    """Validate a spec, or 422 with one problem per field (`detail`) and a summary naming them."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in exc.errors()]
+class InvalidSpec(Unprocessable):
+    """A spec that does not validate: `detail` holds one problem per field, `errors` pydantic's own
+    (each field's path as a tuple), for a caller that points at the field in the user's file."""
+
+    def __init__(self, what: str, exc: ValidationError) -> None:
+        self.errors = exc.errors()
+        problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in self.errors]
         summary = "; ".join(f"{p['field'] or 'spec'}: {p['problem']}" for p in problems)
-        raise Unprocessable(f"invalid {what}: {summary}", problems) from exc
+        super().__init__(f"invalid {what}: {summary}", problems)
+
+
+def parse_spec(model: type[M], raw: str | Mapping[str, Any], what: str) -> M:
+    """Validate a spec (JSON text, or a spec file's parsed YAML), or 422 with one problem per field
+    (`detail`) and a summary naming them."""
+    try:
+        return model.model_validate_json(raw) if isinstance(raw, str) else model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidSpec(what, exc) from exc
 
 
 def refuse_oversized(request: Request, settings: Settings) -> None:
