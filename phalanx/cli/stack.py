@@ -142,6 +142,8 @@ class EmbeddedStack:
         console.print(f"data and logs: {self.data_dir}")
 
     def wait_forever(self) -> None:
+        """Until Ctrl-C or SIGTERM (a service manager's stop): either ends the stack cleanly."""
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             while True:
                 self._check_children()
@@ -163,3 +165,7 @@ class EmbeddedStack:
 
     def __exit__(self, *_: object | TracebackType | None) -> None:
         self.close()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

@@ -174,7 +174,7 @@ def test_the_embedded_stack_updates_the_job_page_live_too(tmp_path: Path, page: 
     import subprocess
 
     from phalanx.client import Client
-    from tests.processes import PHALANX, free_port, wait_for
+    from tests.processes import PHALANX, free_port, processes_with_env, wait_for
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -211,6 +211,7 @@ def test_the_embedded_stack_updates_the_job_page_live_too(tmp_path: Path, page: 
         print((tmp_path / "up.log").read_text(errors="replace")[-6000:])
         raise
     finally:
-        up.terminate()
+        up.terminate()  # as a service manager stops it: the whole stack goes
         up.wait(timeout=60)
         log.close()
+    assert processes_with_env("PHALANX_DATA_DIR", str(data.resolve())) == []
