@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
 from server.dashboard import job_pages
 from server.settings import Settings
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
@@ -19,14 +17,6 @@ from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, enqueue=lambda *_: None), follow_redirects=False) as test_client:
-        body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
-        assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
-        yield test_client
 
 
 def submit(client: TestClient, headers: dict[str, str] = USER, **spec: Any) -> int:

@@ -26,14 +26,6 @@ pytestmark = pytest.mark.integration
 COOKIE = {"phalanx_session": ADMIN_TOKEN}
 
 
-@pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, enqueue=lambda *_: None), follow_redirects=False) as test_client:
-        body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
-        assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
-        yield test_client
-
-
 def running_job(client: TestClient, settings: Settings, slots: int = 2) -> tuple[int, int]:
     """A job placed on the agent: (job id, allocation id)."""
     job_id = submit(client, resources={"nodes": 1, "slots_per_node": slots})

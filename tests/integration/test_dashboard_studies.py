@@ -7,17 +7,15 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from server import tuning
-from server.app import create_app
 from server.dashboard import study_pages
 from server.settings import Settings
-from tests.integration.test_dashboard import AGENT, USER, sign_in
+from tests.integration.test_dashboard import USER, sign_in
 from tests.integration.test_studies import create, driver, finish, report, start_trial, study_body, trials
 
 pytestmark = pytest.mark.integration
@@ -28,14 +26,6 @@ SPACE: dict[str, Any] = {
     "opt": {"type": "categorical", "choices": ["sgd", "adam", EVIL]},
     EVIL: {"type": "int", "low": 1, "high": 4},
 }
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, enqueue=lambda *_: None), follow_redirects=False) as test_client:
-        body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
-        assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
-        yield test_client
 
 
 def embedded(page: str, element_id: str) -> Any:
