@@ -26,7 +26,6 @@ from server.wakeups import agent_channel
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
 LOG_TAIL = 200  # lines on a job's page; the logs page shows more
-TERMINAL = frozenset(state.value for state in schemas.JobState if state.is_terminal)
 
 
 def visible_jobs(user: Principal) -> Any:
@@ -181,7 +180,8 @@ def logs_page(
     with session.begin():
         job = visible_job(session, user, job_id)
         lines = [views.log_record(row) for row in reversed(list(session.scalars(_log_query(job_id, chosen, limit))))]
-        ranks, name, terminal = list(range(job.nodes * job.slots_per_node)), job.name, job.state in TERMINAL
+        ranks, name = list(range(job.nodes * job.slots_per_node)), job.name
+        terminal = schemas.JobState(job.state).is_terminal
     cursor = max((line.id for line in lines), default=0)
     return render(
         request,

@@ -96,6 +96,7 @@ class JobRead:
     terminal: bool
     metrics: dict[str, Any] | None
     logs: list[dict[str, Any]]
+    more: bool  # a limit cut the points or the lines short: read again before sleeping or ending
 
 
 def _read_job(sessions: Callable[[], Session], job_id: int, metrics_after: int, logs_after: int) -> JobRead:
@@ -105,7 +106,7 @@ def _read_job(sessions: Callable[[], Session], job_id: int, metrics_after: int, 
         saved = session.execute(
             select(func.count()).where(Checkpoint.job_id == job_id, Checkpoint.state == checkpoints.COMMITTED)
         ).scalar_one()
-        metrics = points_after(session, job_id, metrics_after).as_json() if metrics_after >= 0 else None
+        new = points_after(session, job_id, metrics_after) if metrics_after >= 0 else None
         logs = []
         if logs_after >= 0:
             rows = session.scalars(
@@ -115,7 +116,9 @@ def _read_job(sessions: Callable[[], Session], job_id: int, metrics_after: int, 
                 .limit(LOG_LINES_PER_EVENT)
             )
             logs = [views.log_record(row).model_dump(mode="json") for row in rows]
-    return JobRead((state, events, saved), schemas.JobState(state).is_terminal, metrics, logs)
+    more = len(logs) == LOG_LINES_PER_EVENT or (new is not None and new.more)
+    metrics = new.as_json() if new is not None else None
+    return JobRead((state, events, saved), schemas.JobState(state).is_terminal, metrics, logs, more)
 
 
 @router.get("/jobs/{job_id}/events", response_model=None)
@@ -147,13 +150,13 @@ async def job_events(
                 if summary is not None and read.summary != summary:
                     yield ServerSentEvent(event="summary", data=_json({"state": read.summary[0]}))
                 summary = read.summary
-                more = len(read.logs) == LOG_LINES_PER_EVENT
-                if read.terminal and not more:
+                if read.more:
+                    continue
+                if read.terminal:
                     # every point and line of a finished job is sent: the page closes the stream
                     yield ServerSentEvent(event="end", data=_json({"state": read.summary[0]}))
                     return
-                if not more:
-                    await _woken(waiter, event, last_read)
+                await _woken(waiter, event, last_read)
 
     return _stream(stream())
 

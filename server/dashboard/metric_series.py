@@ -44,6 +44,7 @@ class NewPoints:
 
     points: dict[str, dict[int, list[tuple[int, float | None]]]] = field(default_factory=dict)
     cursor: int = 0
+    more: bool = False  # the limit cut the read short: read again from `cursor` at once
 
     def as_json(self) -> dict[str, Any]:
         points = {name: {str(rank): pts for rank, pts in by_rank.items()} for name, by_rank in self.points.items()}
@@ -154,4 +155,5 @@ def points_after(session: Session, job_id: int, cursor: int, limit: int = 20_000
     for metric_id, name, rank, step, value in rows:
         new.points.setdefault(name, {}).setdefault(rank, []).append((step, value if math.isfinite(value) else None))
         new.cursor = metric_id
+    new.more = len(rows) == limit
     return new

@@ -67,6 +67,19 @@ def test_chart_data_charts_rank_zero_downsamples_and_keeps_the_shape(client: Tes
     assert client.get("/jobs/999/chart-data").status_code == 404
 
 
+def test_points_after_says_when_its_limit_cut_the_read_short(client: TestClient, settings: Settings) -> None:
+    from server.dashboard.metric_series import points_after
+    from server.db import session_scope
+
+    job_id, allocation_id = running_job(client, settings)
+    post_metrics(client, allocation_id, records(0, range(30), loss=float))
+    with session_scope(settings.database_url) as session:
+        first = points_after(session, job_id, 0, limit=20)
+        rest = points_after(session, job_id, first.cursor, limit=20)
+    assert first.more and [p[0] for p in first.points["loss"][0]] == list(range(20))
+    assert not rest.more and [p[0] for p in rest.points["loss"][0]] == list(range(20, 30))
+
+
 def test_lttb_keeps_the_ends_and_returns_everything_when_short() -> None:
     import numpy as np
 
