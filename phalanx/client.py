@@ -21,15 +21,15 @@ import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from phalanx.schemas import (
-    Agent,
     AgentRegistration,
+    AgentView,
     AgentWork,
     CheckpointView,
-    Job,
     JobDetail,
     JobSpec,
     JobState,
-    LogLine,
+    JobView,
+    LogLineIn,
     LogRecord,
     MetricPoint,
     ParamImportances,
@@ -191,27 +191,27 @@ class Client:
 
     # --- jobs -------------------------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, workdir: Path | None = None) -> Job:
+    def submit(self, spec: JobSpec, workdir: Path | None = None) -> JobView:
         files: dict[str, Any] = {"spec": (None, spec.model_dump_json(), "application/json")}
         if workdir is not None:
             files["bundle"] = ("bundle.tar.gz", pack_workdir(workdir), "application/gzip")
-        return Job.model_validate_json(self._request("POST", "/jobs", files=files).content)
+        return JobView.model_validate_json(self._request("POST", "/jobs", files=files).content)
 
-    def submit_file(self, path: str | Path) -> Job:
+    def submit_file(self, path: str | Path) -> JobView:
         spec, workdir = load_job_file(path)
         return self.submit(spec, workdir)
 
     def get_job(self, job_id: int) -> JobDetail:
         return self._get(JobDetail, f"/jobs/{job_id}")
 
-    def list_jobs(self, state: str | None = None, limit: int = 100) -> list[Job]:
+    def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobView]:
         params: dict[str, Any] = {"limit": limit}
         if state:
             params["state"] = state
-        return self._list(Job, "/jobs", params=params)
+        return self._list(JobView, "/jobs", params=params)
 
-    def kill_job(self, job_id: int) -> Job:
-        return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/kill").content)
+    def kill_job(self, job_id: int) -> JobView:
+        return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/kill").content)
 
     def logs(self, job_id: int, rank: int | None = None, after: int = 0, limit: int = 1000) -> list[LogRecord]:
         params: dict[str, Any] = {"after": after, "limit": limit}
@@ -245,11 +245,11 @@ class Client:
             lambda job: f"job {job_id} is still {job.state.value}",
         )
 
-    def pause_job(self, job_id: int) -> Job:
-        return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)
+    def pause_job(self, job_id: int) -> JobView:
+        return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)
 
-    def resume_job(self, job_id: int) -> Job:
-        return Job.model_validate_json(self._request("POST", f"/jobs/{job_id}/resume").content)
+    def resume_job(self, job_id: int) -> JobView:
+        return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/resume").content)
 
     def checkpoints(self, job_id: int) -> list[CheckpointView]:
         return self._list(CheckpointView, f"/jobs/{job_id}/checkpoints")
@@ -325,11 +325,11 @@ class Client:
 
     # --- admin ------------------------------------------------------------------------------------
 
-    def agents(self) -> list[Agent]:
-        return self._list(Agent, "/agents")
+    def agents(self) -> list[AgentView]:
+        return self._list(AgentView, "/agents")
 
-    def drain_agent(self, agent_id: int) -> Agent:
-        return Agent.model_validate_json(self._request("POST", f"/agents/{agent_id}/drain").content)
+    def drain_agent(self, agent_id: int) -> AgentView:
+        return AgentView.model_validate_json(self._request("POST", f"/agents/{agent_id}/drain").content)
 
     def create_token(self, kind: str, name: str) -> TokenCreated:
         response = self._request("POST", "/tokens", json={"kind": kind, "name": name})
@@ -337,9 +337,9 @@ class Client:
 
     # --- agent protocol ---------------------------------------------------------------------------
 
-    def register_agent(self, registration: AgentRegistration) -> Agent:
+    def register_agent(self, registration: AgentRegistration) -> AgentView:
         response = self._request("POST", "/agents/register", json=registration.model_dump(mode="json"))
-        return Agent.model_validate_json(response.content)
+        return AgentView.model_validate_json(response.content)
 
     def heartbeat(self, agent_id: int) -> None:
         self._request("POST", f"/agents/{agent_id}/heartbeat")
@@ -362,7 +362,7 @@ class Client:
         body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:]}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
 
-    def ship_logs(self, agent_id: int, allocation_id: int, lines: Iterable[LogLine]) -> None:
+    def ship_logs(self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn]) -> None:
         body = {"lines": [line.model_dump() for line in lines]}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/logs", json=body)
 

@@ -1,6 +1,6 @@
 """Wire schemas shared by the server, the SDK, the CLI and the agent.
 
-A job file (YAML) maps 1:1 onto `JobSpec`. Response models (`Job`, `Agent`, ...) are what the
+A job file (YAML) maps 1:1 onto `JobSpec`. Response models (`JobView`, `AgentView`, ...) are what the
 REST API returns; ORM classes never leave the server's data layer.
 """
 
@@ -132,7 +132,7 @@ class JobSpec(_Strict):
         return env
 
 
-class JobEvent(BaseModel):
+class JobEventView(BaseModel):
     time: datetime
     from_state: JobState | None
     to_state: JobState
@@ -162,7 +162,7 @@ class AllocationView(BaseModel):
     nodes: list[NodeView]
 
 
-class Job(BaseModel):
+class JobView(BaseModel):
     id: int
     name: str
     state: JobState
@@ -183,12 +183,12 @@ class Job(BaseModel):
     trial_number: int | None = None
 
 
-class JobDetail(Job):
-    events: list[JobEvent]
+class JobDetail(JobView):
+    events: list[JobEventView]
     allocations: list[AllocationView]
 
 
-class Agent(BaseModel):
+class AgentView(BaseModel):
     id: int
     name: str
     address: str
@@ -262,7 +262,7 @@ class NodeExit(_Strict):
     reason: str = Field("", max_length=4000)
 
 
-class LogLine(_Strict):
+class LogLineIn(_Strict):
     rank: int | None = None  # None: the launcher's own output
     stream: Literal["stdout", "stderr"] = "stdout"
     time: float
@@ -270,7 +270,7 @@ class LogLine(_Strict):
 
 
 class LogBatch(_Strict):
-    lines: list[LogLine]
+    lines: list[LogLineIn]
 
 
 class LogRecord(BaseModel):
@@ -291,7 +291,7 @@ class MetricRecord(_Strict):
     values: dict[str, float]
 
 
-class MetricBatch(_Strict):
+class MetricBatchIn(_Strict):
     records: list[MetricRecord]
     batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
 

@@ -30,12 +30,12 @@ JOB_DETAIL_LOADS = (
 )
 
 
-def job(session: Session, row: Job, *, latest: bool = True) -> schemas.Job:
+def job(session: Session, row: Job, *, latest: bool = True) -> schemas.JobView:
     metrics, step = latest_metrics(session, row.id) if latest else ({}, None)
     trial = session.execute(
         select(TuningTrial.study_id, TuningTrial.number).where(TuningTrial.job_id == row.id)
     ).one_or_none()
-    return schemas.Job(
+    return schemas.JobView(
         id=row.id,
         name=row.name,
         state=schemas.JobState(row.state),
@@ -61,7 +61,7 @@ def job_detail(session: Session, row: Job) -> schemas.JobDetail:
     return schemas.JobDetail(
         **job(session, row).model_dump(),
         events=[
-            schemas.JobEvent(
+            schemas.JobEventView(
                 time=e.time,
                 from_state=schemas.JobState(e.from_state) if e.from_state else None,
                 to_state=schemas.JobState(e.to_state),
@@ -114,7 +114,7 @@ def latest_metrics(session: Session, job_id: int) -> tuple[dict[str, float], int
     return values, step
 
 
-def agents(session: Session, rows: list[Agent]) -> list[schemas.Agent]:
+def agents(session: Session, rows: list[Agent]) -> list[schemas.AgentView]:
     used: dict[tuple[int, str], int] = {
         (agent_id, slot_type): count
         for agent_id, slot_type, count in session.execute(
@@ -124,7 +124,7 @@ def agents(session: Session, rows: list[Agent]) -> list[schemas.Agent]:
         )
     }
     return [
-        schemas.Agent(
+        schemas.AgentView(
             id=a.id,
             name=a.name,
             address=a.address,

@@ -24,7 +24,7 @@ import httpx
 from tenacity import RetryCallState, retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from phalanx.client import ApiError, Client
-from phalanx.schemas import AgentRegistration, Assignment, LogLine
+from phalanx.schemas import AgentRegistration, Assignment, LogLineIn
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env
 from worker_agent.warm import WarmTorchrun
 
@@ -78,10 +78,10 @@ class LogShipper(threading.Thread):
         super().__init__(name="log-shipper", daemon=True)
         self._agent = agent
         self._lock = threading.Condition()
-        self._pending: dict[int, list[LogLine]] = defaultdict(list)
+        self._pending: dict[int, list[LogLineIn]] = defaultdict(list)
         self._ship_lock = threading.Lock()
 
-    def add(self, allocation_id: int, line: LogLine) -> None:
+    def add(self, allocation_id: int, line: LogLineIn) -> None:
         with self._lock:
             self._pending[allocation_id].append(line)
             if len(self._pending[allocation_id]) >= 500:
@@ -92,7 +92,7 @@ class LogShipper(threading.Thread):
             lines = self._pending.pop(allocation_id, [])
         self._ship(allocation_id, lines)
 
-    def _ship(self, allocation_id: int, lines: list[LogLine]) -> None:
+    def _ship(self, allocation_id: int, lines: list[LogLineIn]) -> None:
         if not lines:
             return
         with self._ship_lock:  # keep each allocation's lines in order
@@ -209,7 +209,9 @@ class NodeRunner(threading.Thread):
 
         def on_line(rank: int | None, stream: str, text: str) -> None:
             failure.add(rank, stream, text)
-            line = LogLine(rank=rank, stream="stderr" if stream == "stderr" else "stdout", time=time.time(), line=text)
+            line = LogLineIn(
+                rank=rank, stream="stderr" if stream == "stderr" else "stdout", time=time.time(), line=text
+            )
             self.agent.shipper.add(a.allocation_id, line)
 
         with self._changed:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from phalanx.client import ApiError, Client, SpecError
-from phalanx.schemas import Job, JobDetail, JobState, Study, StudyDetail, StudyState
+from phalanx.schemas import JobDetail, JobState, JobView, Study, StudyDetail, StudyState
 
 app = typer.Typer(
     help="Phalanx: distributed PyTorch training on your own machines.",
@@ -329,7 +329,7 @@ def submit(
             raise typer.Exit(0 if final.state is JobState.COMPLETED else 1)
 
 
-def restart_budgets(job: Job) -> str:
+def restart_budgets(job: JobView) -> str:
     """Used/allowed restarts: the job's own failures, then lost infrastructure (its own budget)."""
     return f"{job.restarts_used}/{job.spec.max_restarts} infra {job.infra_restarts_used}/{job.spec.max_infra_restarts}"
 
@@ -440,7 +440,7 @@ def jobs_kill(job_id: int, as_json: JsonOpt = False) -> None:
         _print_state(client.kill_job(job_id), as_json)
 
 
-def _print_state(job: Job, as_json: bool) -> None:
+def _print_state(job: JobView, as_json: bool) -> None:
     if as_json:
         print_json({"id": job.id, "state": job.state.value})
     else:

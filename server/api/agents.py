@@ -39,20 +39,20 @@ PG_TIMEOUT = 120.0
 REAP_MARGIN_S = 0.05
 
 
-@router.get("", response_model=list[schemas.Agent])
-def list_agents(session: SessionDep, _: UserDep) -> list[schemas.Agent]:
+@router.get("", response_model=list[schemas.AgentView])
+def list_agents(session: SessionDep, _: UserDep) -> list[schemas.AgentView]:
     with session.begin():
         return views.agents(session, list(session.scalars(select(Agent).order_by(Agent.id))))
 
 
-@router.post("/register", response_model=schemas.Agent)
+@router.post("/register", response_model=schemas.AgentView)
 def register(
     registration: schemas.AgentRegistration,
     request: Request,
     session: SessionDep,
     publisher: PublisherDep,
     _: AgentDep,
-) -> schemas.Agent:
+) -> schemas.AgentView:
     """Register, or re-register after a restart: the agent's old processes are gone, so are its nodes."""
     with session.begin():
         agent = session.scalars(select(Agent).where(Agent.name == registration.name).with_for_update()).one_or_none()
@@ -137,8 +137,8 @@ def _resume_point(session: Session, allocation: Allocation) -> schemas.ResumePoi
     return None if checkpoint is None else schemas.ResumePoint(step=checkpoint.step, path=checkpoint.path)
 
 
-@router.post("/{agent_id}/drain", response_model=schemas.Agent)
-def drain(agent_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Agent:
+@router.post("/{agent_id}/drain", response_model=schemas.AgentView)
+def drain(agent_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.AgentView:
     """Stop placing work on the agent; its attempts checkpoint, stop, and restart elsewhere."""
     with session.begin():
         agent = session.get(Agent, agent_id, with_for_update=True)

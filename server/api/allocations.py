@@ -25,7 +25,7 @@ async def post_metrics(allocation_id: int, request: Request, settings: SettingsD
     """Store a batch of `report()` records. 409 once the allocation is superseded or ended."""
     raw = await read_capped_body(request, settings.max_metric_batch_bytes, "the metric batch")
     try:
-        batch = schemas.MetricBatch.model_validate_json(raw)
+        batch = schemas.MetricBatchIn.model_validate_json(raw)
     except ValidationError as exc:
         raise Unprocessable(f"invalid metric batch: {exc.errors()[0]['msg']}", exc.errors()[:10]) from exc
 

@@ -23,7 +23,7 @@ from server.wakeups import agent_channel, job_channel
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=201, response_model=schemas.Job)
+@router.post("", status_code=201, response_model=schemas.JobView)
 def submit_job(
     request: Request,
     session: SessionDep,
@@ -31,7 +31,7 @@ def submit_job(
     user: UserDep,
     spec: Annotated[str, Form(description="The JobSpec as JSON")],
     bundle: Annotated[UploadFile | None, File(description="The workdir as .tar.gz")] = None,
-) -> schemas.Job:
+) -> schemas.JobView:
     refuse_oversized(request, settings)
     return accept_job(request, session, settings, user, parse_spec(schemas.JobSpec, spec, "job spec"), bundle)
 
@@ -43,7 +43,7 @@ def accept_job(
     user: Principal,
     spec: schemas.JobSpec,
     bundle: UploadFile | None,
-) -> schemas.Job:
+) -> schemas.JobView:
     """Store the code bundle, queue the job (422 when no agents could ever host it, nothing
     created) and wake the scheduler: a submission from the API or the dashboard."""
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
@@ -55,14 +55,14 @@ def accept_job(
     return result
 
 
-@router.get("", response_model=list[schemas.Job])
+@router.get("", response_model=list[schemas.JobView])
 def list_jobs(
     session: SessionDep,
     _: UserDep,
     state: schemas.JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
-) -> list[schemas.Job]:
+) -> list[schemas.JobView]:
     query = select(Job).options(selectinload(Job.owner)).order_by(Job.id.desc()).limit(limit).offset(offset)
     if state is not None:
         query = query.where(Job.state == state.value)
@@ -104,8 +104,8 @@ async def show_job(
     )
 
 
-@router.post("/{job_id}/kill", response_model=schemas.Job)
-def kill_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Job:
+@router.post("/{job_id}/kill", response_model=schemas.JobView)
+def kill_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.JobView:
     with session.begin():
         job = lifecycle.get_job(session, job_id, lock=True)
         woken = lifecycle.kill_job(session, job)
@@ -175,8 +175,8 @@ def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: Agent
     return FileResponse(path, media_type="application/gzip")
 
 
-@router.post("/{job_id}/pause", response_model=schemas.Job)
-def pause_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Job:
+@router.post("/{job_id}/pause", response_model=schemas.JobView)
+def pause_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.JobView:
     """SIGTERM the workers: `should_stop()` turns true, they checkpoint and exit. `resume` requeues."""
     with session.begin():
         job = lifecycle.get_job(session, job_id, lock=True)
@@ -186,8 +186,8 @@ def pause_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: User
     return result
 
 
-@router.post("/{job_id}/resume", response_model=schemas.Job)
-def resume_job(job_id: int, request: Request, session: SessionDep, _: UserDep) -> schemas.Job:
+@router.post("/{job_id}/resume", response_model=schemas.JobView)
+def resume_job(job_id: int, request: Request, session: SessionDep, _: UserDep) -> schemas.JobView:
     """Queue a paused job again; it starts from its newest checkpoint."""
     with session.begin():
         job = lifecycle.get_job(session, job_id, lock=True)

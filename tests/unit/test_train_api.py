@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx.train as pt
-from phalanx.schemas import MetricBatch, Precision
+from phalanx.schemas import MetricBatchIn, Precision
 from phalanx.train._env import read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, SendOutcome
 
@@ -310,7 +310,7 @@ def test_sender_delivers_batches_to_the_server(monkeypatch: pytest.MonkeyPatch, 
     for request in requests:
         assert request["path"] == "/api/v1/allocations/7/metrics"
         assert request["auth"] == "Bearer secret-token"
-        batch = MetricBatch.model_validate(request["body"])  # the server's own wire schema
+        batch = MetricBatchIn.model_validate(request["body"])  # the server's own wire schema
         assert 0 < len(batch.records) <= 5_000
     records = metrics_server.delivered()
     assert sorted(r["step"] for r in records) == list(range(12_000))  # each exactly once
