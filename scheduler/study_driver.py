@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -37,11 +37,11 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from phalanx.schemas import Direction, JobState, StudySpec, StudyState, TrialState
-from server import lifecycle, studies, tuning
+from server import jobs, studies, tuning
 from server.db import engine_for
 from server.models import Job, JobEvent, Metric, TuningStudy, TuningTrial, utcnow
 from server.settings import Settings
-from server.transitions import transition_study
+from server.transitions import db_now, transition_study, transition_trial
 from server.wakeups import note_study_change
 
 log = logging.getLogger(__name__)
@@ -100,12 +100,6 @@ class Plan:
     end: StudyState | None = None
     reason: str = ""
     cancel: bool = False  # with `end`: cancel the trials still in flight
-
-
-@dataclass
-class PassOutcome:
-    woken: set[int] = field(default_factory=set)  # agents whose work changed
-    launched: int = 0
 
 
 # --- policy -----------------------------------------------------------------------------------
@@ -231,29 +225,29 @@ class Driver:
         with self.sessions.begin() as session:
             return read(session, study_id)
 
-    def advance(self, study_id: int) -> PassOutcome:
-        outcome = PassOutcome()
+    def advance(self, study_id: int) -> int:
+        """One pass; returns how many trials it launched."""
         with study_lock(self.settings, study_id) as locked:
             if not locked:
                 log.warning("study %s: another driver held its lock for %.0f s; skipping", study_id, LOCK_WAIT_S)
-                return outcome
+                return 0
             snapshot = self.snapshot(study_id)
             if snapshot is None:
-                return outcome
+                return 0
             # the first pass creates it (again, idempotently, if a driver died before its first trial)
             open_study = tuning.load if snapshot.trials else tuning.create
             study = open_study(self.url, snapshot.optuna_name, snapshot.spec)
             if self._adopt_orphans(study, snapshot):
                 snapshot = self._must_read(study_id)
-            outcome.woken |= self._report_and_prune(study, snapshot)
+            self._report_and_prune(study, snapshot)
             self._tell_finished(study, self._must_read(study_id))
             snapshot = self._must_read(study_id)
             decision = plan(snapshot)
             if decision.end is not None:
-                outcome.woken |= self._end(study, snapshot, decision)
+                self._end(study, snapshot, decision)
             elif decision.launch:
-                outcome.launched = self._launch(study, snapshot, decision.launch)
-        return outcome
+                return self._launch(study, snapshot, decision.launch)
+        return 0
 
     def _must_read(self, study_id: int) -> StudySnapshot:
         snapshot = self.snapshot(study_id)
@@ -283,12 +277,11 @@ class Driver:
             log.info("study %s: adopted trial %s (its asker died): job %s", snapshot.id, orphan.number, job_id)
         return bool(orphans)
 
-    def _report_and_prune(self, study: optuna.Study, snapshot: StudySnapshot) -> set[int]:
+    def _report_and_prune(self, study: optuna.Study, snapshot: StudySnapshot) -> None:
         if snapshot.spec.multi_objective:
-            return set()  # Optuna takes intermediate values (and prunes) for one objective only
+            return  # Optuna takes intermediate values (and prunes) for one objective only
         metric = snapshot.spec.objectives[0].metric
         pruning = snapshot.spec.pruner.type != "none"
-        woken: set[int] = set()
         for trial in snapshot.trials:
             if trial.state is not TrialState.RUNNING:
                 continue
@@ -304,17 +297,16 @@ class Driver:
             with self.sessions.begin() as session:
                 pruned = False
                 if prune:  # the job row first: a trial job's own transitions lock it alone
-                    job = lifecycle.get_job(session, trial.job_id, lock=True)
+                    job = jobs.get_job(session, trial.job_id, lock=True)
                     pruned = job.state == JobState.RUNNING.value  # else it ended (or restarts) meanwhile
                     if pruned:
-                        woken |= lifecycle.prune_job(session, job, reason)
+                        jobs.prune_job(session, job, reason)
                 row = session.get(TuningTrial, trial.row_id)
                 assert row is not None
                 row.reported_step = last_step
                 if pruned:
                     row.reason = reason
                 note_study_change(session, snapshot.id)
-        return woken
 
     def _tell_finished(self, study: optuna.Study, snapshot: StudySnapshot) -> None:
         for trial in snapshot.trials:
@@ -327,11 +319,14 @@ class Driver:
             with self.sessions.begin() as session:
                 row = session.get(TuningTrial, trial.row_id)
                 assert row is not None
-                row.state = TrialState(frozen.state.name).value
-                row.values = list(frozen.values) if frozen.values is not None else None
-                row.reason = reason or row.reason  # a pruned trial keeps why it was pruned
-                row.ended_at = session.execute(select(utcnow())).scalar_one()
-                note_study_change(session, snapshot.id)
+                transition_trial(
+                    session,
+                    row,
+                    TrialState(frozen.state.name),
+                    values=list(frozen.values) if frozen.values is not None else None,
+                    reason=reason or row.reason,  # a pruned trial keeps why it was pruned
+                    ended_at=db_now(session),
+                )
 
     def _outcome(self, spec: StudySpec, trial: TrialSnapshot) -> tuple[OptunaState, list[float] | None, str | None]:
         if trial.job_state is JobState.PRUNED:
@@ -351,18 +346,17 @@ class Driver:
             return OptunaState.FAIL, None, f"its job completed without reporting {', '.join(missing)}"
         return OptunaState.COMPLETE, [v for v in values if v is not None], None
 
-    def _end(self, study: optuna.Study, snapshot: StudySnapshot, decision: Plan) -> set[int]:
+    def _end(self, study: optuna.Study, snapshot: StudySnapshot, decision: Plan) -> None:
         """Cancel what still runs (if asked), tell Optuna every outcome, and only then end the
         study: whoever sees it ended sees every trial told. A driver that dies half-way leaves a
         RUNNING study whose next pass decides again."""
         assert decision.end is not None
-        woken: set[int] = set()
         if decision.cancel:
             with self.sessions.begin() as session:
                 row = studies.get_study(session, snapshot.id, lock=True)
                 if row.state != StudyState.RUNNING.value:
-                    return woken  # a user stopped it meanwhile; the next pass decides again
-                woken = studies.cancel_trials(session, row, decision.reason)
+                    return  # a user stopped it meanwhile; the next pass decides again
+                studies.cancel_trials(session, row, decision.reason)
             self._tell_finished(study, self._must_read(snapshot.id))
         for leftover in study.get_trials(deepcopy=False, states=(OptunaState.WAITING, OptunaState.RUNNING)):
             if leftover.number not in snapshot.numbers:  # enqueued and never asked for, or an orphan
@@ -372,7 +366,6 @@ class Driver:
             if row.state == StudyState.RUNNING.value:
                 transition_study(session, row, decision.end, decision.reason)
         log.info("study %s %s: %s", snapshot.id, decision.end.value, decision.reason)
-        return woken
 
     def _launch(self, study: optuna.Study, snapshot: StudySnapshot, count: int) -> int:
         distributions = tuning.distributions(snapshot.spec)

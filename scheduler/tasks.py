@@ -1,11 +1,12 @@
-"""Celery tasks. They take no ORM objects, run one pass each in their own transaction, are
-idempotent (a pass re-reads everything), and wake agents only after the commit."""
+"""Celery tasks. They take IDs only, run one pass each in their own transaction, are idempotent (a
+pass re-reads everything), and what must follow a pass (waking agents, another scheduling pass, a
+study's driver) is carried out after its commit by the sessions' `publish_after_commit`."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from celery import shared_task
+from celery import current_app, shared_task
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -16,71 +17,66 @@ from server import checkpoints
 from server.db import session_factory
 from server.models import Job, TuningStudy, TuningTrial
 from server.settings import get_settings
-from server.wakeups import Publisher, agent_channel, wake_job_watchers_after_commit
-
-
-@lru_cache(maxsize=1)
-def _publisher() -> Publisher:
-    settings = get_settings()
-    return Publisher(settings.redis_url, settings.wake_dir)
+from server.task_names import (
+    ADVANCE_STUDIES_TASK,
+    ADVANCE_STUDY_TASK,
+    DELETE_CHECKPOINTS_TASK,
+    REAP_TASK,
+    SCHEDULE_TASK,
+)
+from server.task_queue import enqueuer
+from server.wakeups import Publisher, publish_after_commit
 
 
 @lru_cache(maxsize=1)
 def _sessions() -> sessionmaker[Session]:
-    """This process's sessions; each commit wakes the watchers of the jobs whose state it changed."""
-    sessions = session_factory(get_settings().database_url)
-    wake_job_watchers_after_commit(sessions, _publisher(), drive_study=lambda study_id: advance_study.delay(study_id))
+    """This process's sessions; each commit carries out the wake-ups and tasks it noted."""
+    settings = get_settings()
+    sessions = session_factory(settings.database_url)
+    publish_after_commit(sessions, Publisher(settings.redis_url, settings.wake_dir), enqueuer(current_app))
     return sessions
 
 
-def _wake(agent_ids: set[int]) -> None:
-    _publisher().publish(agent_channel(a) for a in agent_ids)
-
-
-@shared_task(name="phalanx.schedule")  # type: ignore[untyped-decorator]
+@shared_task(name=SCHEDULE_TASK)  # type: ignore[untyped-decorator]
 def schedule() -> int:
     with _sessions().begin() as session:
         woken = service.schedule_pass(session)
-    _wake(woken)
     return len(woken)
 
 
-@shared_task(name="phalanx.reap")  # type: ignore[untyped-decorator]
+@shared_task(name=REAP_TASK)  # type: ignore[untyped-decorator]
 def reap() -> int:
-    """Periodic: lost agents and hung attempts. Their jobs restart (or fail) at once."""
+    """Periodic: lost agents and hung attempts (their jobs restart or fail at once: the freed slots
+    note a scheduling pass), and retention whose enqueue was lost."""
     settings = get_settings()
     with _sessions().begin() as session:
         woken = service.reap_pass(session, settings.heartbeat_timeout)
     with _sessions().begin() as session:
         woken |= service.hang_pass(session)
-    with _sessions().begin() as session:  # retention whose enqueue was lost
+    with _sessions().begin() as session:
         for job_id in checkpoints.jobs_with_deletions(session):
             checkpoints.delete_marked(session, job_id)
-    _wake(woken)
-    if woken:
-        schedule.delay()
     return len(woken)
 
 
-@shared_task(name="phalanx.delete_checkpoints")  # type: ignore[untyped-decorator]
+@shared_task(name=DELETE_CHECKPOINTS_TASK)  # type: ignore[untyped-decorator]
 def delete_checkpoints(job_id: int) -> int:
     """Remove the files of checkpoints retention dropped, then their rows. Idempotent."""
     with _sessions().begin() as session:
         return checkpoints.delete_marked(session, job_id)
 
 
-@shared_task(name="phalanx.advance_study")  # type: ignore[untyped-decorator]
+@shared_task(name=ADVANCE_STUDY_TASK)  # type: ignore[untyped-decorator]
 def advance_study(study_id: int) -> int:
     """One pass of the study's driver (scheduler/study_driver.py); places the trials it launched
     at once rather than after a broker round trip. Idempotent; serialised per study by its lock."""
-    outcome = Driver(get_settings(), _sessions()).advance(study_id)
-    _wake(outcome.woken)
-    if outcome.launched:
+    launched = Driver(get_settings(), _sessions()).advance(study_id)
+    if launched:
         schedule()
-    return outcome.launched
+    return launched
 
 
-@shared_task(name="phalanx.advance_studies")  # type: ignore[untyped-decorator]
+@shared_task(name=ADVANCE_STUDIES_TASK)  # type: ignore[untyped-decorator]
 def advance_studies() -> int:
     """Periodic: a pass for every running study (timeouts; driver enqueues that were lost) and for
     every study with a trial whose end its driver has not told Optuna yet."""

@@ -1,9 +1,10 @@
-"""The FastAPI application: wiring only. Routes live in `server.api`, rules in `server.lifecycle`."""
+"""The FastAPI application: wiring only. Routes live in `server.api`, pages in `server.dashboard`,
+the use cases they share in `server.commands`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -13,37 +14,22 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
-from server import auth, dashboard
+from server import auth, dashboard, task_queue
 from server.api import agents, allocations, jobs, ops, studies, tokens
-from server.api.deps import get_principal
+from server.api.deps import Services, get_principal, install_services
 from server.dashboard import render as dashboard_render
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
 from server.settings import Settings
-from server.wakeups import Publisher, Waiter, wake_job_watchers_after_commit
+from server.wakeups import Enqueue, Publisher, Waiter, publish_after_commit
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 log = logging.getLogger("phalanx.server")
 
 
-def _enqueuer(settings: Settings) -> Callable[..., None]:
-    """Enqueue a task after a commit (IDs only). Every task is also run by a periodic pass, so a
-    broker outage delays the work, never loses it."""
-    from scheduler.celery_app import make_celery
-
-    celery = make_celery(settings)
-
-    def enqueue(task: str, *args: int) -> None:
-        try:
-            celery.send_task(task, args=list(args), expires=60, retry=False)
-        except Exception as exc:
-            log.warning("could not enqueue %s: %s", task, exc)
-
-    return enqueue
-
-
-def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None) -> FastAPI:
-    """Build the app on a migrated database. Raises `SchemaOutOfDate` naming the fix otherwise."""
+def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI:
+    """Build the app on a migrated database. Raises `SchemaOutOfDate` naming the fix otherwise.
+    `enqueue`: where tasks go (tests pass their own); the scheduler's queue by default."""
     check_schema(settings.database_url)
     with session_scope(settings.database_url) as session:
         generated = auth.bootstrap(session, settings.admin_token, settings.agent_token)
@@ -65,22 +51,25 @@ def create_app(settings: Settings, *, enqueue: Callable[..., None] | None = None
         description="Distributed PyTorch training: jobs, hyperparameter studies, agents, metrics and logs.",
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.sessions = session_factory(settings.database_url)
-    app.state.token_cache = auth.TokenCache()
-    app.state.publisher = Publisher(settings.redis_url, settings.wake_dir)
-    app.state.waiter = waiter
-    app.state.enqueue = enqueue or _enqueuer(settings)
-    app.state.kick_scheduler = lambda: app.state.enqueue("phalanx.schedule")
-    app.state.drive_study = lambda study_id: app.state.enqueue("phalanx.advance_study", study_id)
-    app.state.study_objectives = {}  # study id -> the metrics it optimises (specs never change)
-    wake_job_watchers_after_commit(app.state.sessions, app.state.publisher, drive_study=app.state.drive_study)
-    app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
-    app.state.templates.env.filters["age"] = dashboard_render.age
+    sessions = session_factory(settings.database_url)
+    enqueue = enqueue or task_queue.enqueuer(task_queue.make_celery(settings))
+    publish_after_commit(sessions, Publisher(settings.redis_url, settings.wake_dir), enqueue)
+    templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
+    templates.env.filters["age"] = dashboard_render.age
     registry = CollectorRegistry()
-    registry.register(ops.StateCollector(app.state.sessions))
-    app.state.prometheus = registry
-    install_handlers(app)
+    registry.register(ops.StateCollector(sessions))
+    install_services(
+        app,
+        Services(
+            settings=settings,
+            sessions=sessions,
+            waiter=waiter,
+            enqueue=enqueue,
+            templates=templates,
+            prometheus=registry,
+        ),
+    )
+    install_handlers(app, pages=dashboard_render.error_page)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -17,8 +17,10 @@ from sqlalchemy.orm import Session
 from phalanx.schemas import CheckpointCommit, CheckpointPolicy, JobSpec
 from server.errors import Conflict, Unprocessable
 from server.models import Allocation, Checkpoint, Job, Metric
+from server.task_names import DELETE_CHECKPOINTS_TASK
+from server.transitions import COMMITTED, DELETING, transition_checkpoint
+from server.wakeups import note_job_data, note_task
 
-COMMITTED, DELETING = "COMMITTED", "DELETING"
 log = logging.getLogger(__name__)
 
 
@@ -92,10 +94,13 @@ def commit(session: Session, allocation: Allocation, job: Job, body: CheckpointC
         session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.state == COMMITTED))
     )
     keep = to_keep(committed, JobSpec.model_validate(job.spec).checkpoint)
-    for checkpoint in committed:
-        if checkpoint.id not in keep:
-            checkpoint.state = DELETING
+    dropped = [c for c in committed if c.id not in keep]
+    for checkpoint in dropped:
+        transition_checkpoint(session, checkpoint, DELETING)
     session.flush()
+    note_job_data(session, job.id)  # the job page lists it
+    if dropped:
+        note_task(session, DELETE_CHECKPOINTS_TASK, job.id)
     return row
 
 

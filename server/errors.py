@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from phalanx.schemas import JobState, StudyState
 
 
 class PhalanxError(Exception):
@@ -46,20 +45,31 @@ class Unprocessable(PhalanxError):
 
 
 class IllegalTransition(Conflict):
-    def __init__(self, job_id: int, current: JobState, target: JobState) -> None:
-        super().__init__(f"job {job_id} is {current.value} and cannot become {target.value}")
-        self.current, self.target = current, target
+    """A state change its rule table refuses, or one that lost a race: the row moved (another
+    request committed first) between the read and the compare-and-set write."""
+
+    def __init__(self, kind: str, row_id: int, current: str, target: str, *, raced_from: str | None = None) -> None:
+        if raced_from is None:
+            message = f"{kind} {row_id} is {current} and cannot become {target}"
+        else:
+            message = (
+                f"{kind} {row_id} became {current} while this request moved it from {raced_from}, "
+                f"so it cannot become {target}; read it again and retry if that is still wanted"
+            )
+        super().__init__(message)
+        self.kind, self.current, self.target = kind, current, target
 
 
-class IllegalStudyTransition(Conflict):
-    def __init__(self, study_id: int, current: StudyState, target: StudyState) -> None:
-        super().__init__(f"study {study_id} is {current.value} and cannot become {target.value}")
-        self.current, self.target = current, target
+API_PREFIX = "/api/"
 
 
-def install_handlers(app: FastAPI) -> None:
+def install_handlers(app: FastAPI, pages: Callable[[Request, PhalanxError], Response] | None = None) -> None:
+    """Domain errors become JSON under `/api/`, and pages elsewhere (`pages`: the dashboard's)."""
+
     @app.exception_handler(PhalanxError)
-    async def _domain(_: Request, exc: PhalanxError) -> JSONResponse:
+    async def _domain(request: Request, exc: PhalanxError) -> Response:
+        if pages is not None and not request.url.path.startswith(API_PREFIX):
+            return pages(request, exc)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
         return JSONResponse({"error": exc.message, "detail": exc.detail}, exc.status_code, headers=headers)
 

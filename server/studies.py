@@ -14,11 +14,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx.schemas import TERMINAL_JOB_STATES, JobSpec, JobState, StudySpec, StudyState, TrialState
-from server import lifecycle
+from server import jobs
 from server.errors import Conflict, NotFound
 from server.models import Job, TuningStudy, TuningTrial
+from server.task_names import ADVANCE_STUDY_TASK
 from server.transitions import transition_study
-from server.wakeups import note_study_change
+from server.wakeups import note_study_change, note_task
 
 ACTIVE_JOB_STATES = tuple(s.value for s in JobState if s not in TERMINAL_JOB_STATES)
 
@@ -41,7 +42,7 @@ def create_study(
 ) -> TuningStudy:
     """A RUNNING study; its driver creates the Optuna study and the first trials. Raises
     `Unprocessable` when no registered agents could ever host a trial."""
-    lifecycle.check_fits(session, trial_job_spec(spec, 0, {}), f"the trials of study {spec.name!r}")
+    jobs.check_fits(session, trial_job_spec(spec, 0, {}), f"the trials of study {spec.name!r}")
     study = TuningStudy(
         name=spec.name,
         owner_id=owner_id,
@@ -57,13 +58,14 @@ def create_study(
     study.optuna_name = optuna_study_name(study.id, spec.name)
     study.running_since = study.created_at
     session.flush()
+    note_task(session, ADVANCE_STUDY_TASK, study.id)  # its driver asks for the first trials
     return study
 
 
 def get_study(session: Session, study_id: int, *, lock: bool = False) -> TuningStudy:
     query = select(TuningStudy).where(TuningStudy.id == study_id)
     if lock:
-        query = query.with_for_update()
+        query = query.with_for_update().execution_options(populate_existing=True)
     study = session.scalars(query).one_or_none()
     if study is None:
         raise NotFound(f"study {study_id} does not exist; `phalanx studies list` shows the studies you can see")
@@ -75,7 +77,7 @@ def create_trial(
 ) -> TuningTrial:
     """Record an Optuna trial and queue its job."""
     spec = StudySpec.model_validate(study.spec)
-    job = lifecycle.create_job(
+    job = jobs.create_job(
         session,
         trial_job_spec(spec, number, params),
         study.owner_id,
@@ -110,16 +112,14 @@ def active_trial_jobs(session: Session, study_id: int) -> list[Job]:
     )
 
 
-def stop_study(session: Session, study: TuningStudy) -> set[int]:
+def stop_study(session: Session, study: TuningStudy) -> None:
     """No new trials; the running ones are paused (they checkpoint and leave) until `resume`."""
     if study.state != StudyState.RUNNING.value:
         raise Conflict(f"study {study.id} is {study.state}; only a RUNNING study can be stopped")
     transition_study(session, study, StudyState.STOPPED, "stopped by user")
-    woken: set[int] = set()
     for job in active_trial_jobs(session, study.id):
         if job.state != JobState.PAUSED.value:
-            woken |= lifecycle.pause_job(session, job)
-    return woken
+            jobs.pause_job(session, job)
 
 
 def resume_study(session: Session, study: TuningStudy) -> None:
@@ -129,12 +129,11 @@ def resume_study(session: Session, study: TuningStudy) -> None:
     transition_study(session, study, StudyState.RUNNING, "resumed by user")
     for job in active_trial_jobs(session, study.id):
         if job.state == JobState.PAUSED.value:
-            lifecycle.resume_job(session, job)
+            jobs.resume_job(session, job)
+    note_task(session, ADVANCE_STUDY_TASK, study.id)  # the driver goes on where it stopped
 
 
-def cancel_trials(session: Session, study: TuningStudy, reason: str) -> set[int]:
+def cancel_trials(session: Session, study: TuningStudy, reason: str) -> None:
     """Cancel the study's trial jobs still in flight (the study is ending: `reason`)."""
-    woken: set[int] = set()
     for job in active_trial_jobs(session, study.id):
-        woken |= lifecycle.kill_job(session, job, f"cancelled: study {study.id} is ending ({reason})")
-    return woken
+        jobs.kill_job(session, job, f"cancelled: study {study.id} is ending ({reason})")

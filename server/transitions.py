@@ -1,26 +1,36 @@
-"""The only code that changes a job's or a study's state.
+"""The only code that writes a state column: jobs, studies, agents, allocation nodes, trials and
+checkpoints.
 
-Each rule names the states it moves between; `transition` refuses everything else, records a
-`JobEvent` with the reason, and keeps the job's timestamps in step. Callers own the transaction;
-watchers of the job (`GET /jobs/{id}?state=…&wait=…`) are woken once it commits, and so are the
-watchers of its study when it is a trial; a trial job that ended also gets its study's driver
-enqueued after the commit (`wakeups.wake_job_watchers_after_commit`). `transition_study` does the
-same for studies.
+Each kind has a rule table of the moves it allows; everything else raises `IllegalTransition`
+(409). Every write is a compare-and-set, `UPDATE … SET state = :to WHERE id = :id AND state = :from`:
+a writer that read the row before another transaction moved it finds no row to update and gets
+`IllegalTransition` naming the state it found, so a race never overwrites a committed change (a
+scheduling pass that read a QUEUED job cannot undo a kill that committed meanwhile). Callers that
+must not fail on such a race lock the row first (`FOR UPDATE`, or `SKIP LOCKED` in the scheduling
+pass) and re-read it.
+
+Callers own the transaction. A job's change records a `JobEvent` with the reason, keeps its
+timestamps and `wait_reason` in step, and notes the job (and its study, for a trial) in the
+session so that `wakeups.publish_after_commit` wakes their watchers once the commit succeeds.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any, Protocol
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
-from phalanx.schemas import JobState, StudyState
-from server.errors import IllegalStudyTransition, IllegalTransition
-from server.models import Job, JobEvent, TuningStudy, TuningTrial, utcnow
+from phalanx.schemas import AgentState, JobState, NodeState, StudyState, TrialState
+from server.errors import IllegalTransition
+from server.models import Agent, AllocationNode, Checkpoint, Job, JobEvent, TuningStudy, TuningTrial, utcnow
 from server.wakeups import note_job_change, note_study_change
 
 S = JobState
+# What a QUEUED job's `wait_reason` says until the next scheduling pass gives the real one.
+WAITING_FOR_PASS = "waiting for the scheduler's next pass"
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.QUEUED: frozenset({S.SCHEDULED, S.PAUSED, S.CANCELLED, S.FAILED}),
@@ -35,6 +45,80 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.PRUNED: frozenset(),
 }
 
+STUDY_ALLOWED: dict[StudyState, frozenset[StudyState]] = {
+    StudyState.RUNNING: frozenset({StudyState.STOPPED, StudyState.COMPLETED, StudyState.FAILED}),
+    StudyState.STOPPED: frozenset({StudyState.RUNNING}),
+    StudyState.COMPLETED: frozenset(),
+    StudyState.FAILED: frozenset(),
+}
+
+# An agent that re-registers keeps DRAINING (a restart does not undo a drain); only a LOST one
+# becomes ACTIVE again. Drain is an operator's intent, so a LOST agent cannot be drained.
+AGENT_ALLOWED: dict[AgentState, frozenset[AgentState]] = {
+    AgentState.ACTIVE: frozenset({AgentState.DRAINING, AgentState.LOST}),
+    AgentState.DRAINING: frozenset({AgentState.LOST}),
+    AgentState.LOST: frozenset({AgentState.ACTIVE}),
+}
+
+NODE_ALLOWED: dict[NodeState, frozenset[NodeState]] = {
+    NodeState.ASSIGNED: frozenset({NodeState.RUNNING, NodeState.EXITED}),
+    NodeState.RUNNING: frozenset({NodeState.EXITED}),
+    NodeState.EXITED: frozenset(),
+}
+
+TRIAL_ALLOWED: dict[TrialState, frozenset[TrialState]] = {
+    TrialState.RUNNING: frozenset({TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL}),
+    TrialState.COMPLETE: frozenset(),
+    TrialState.PRUNED: frozenset(),
+    TrialState.FAIL: frozenset(),
+}
+
+COMMITTED, DELETING = "COMMITTED", "DELETING"
+# A committed checkpoint that retention dropped is DELETING until its files and row are removed.
+CHECKPOINT_ALLOWED: dict[str, frozenset[str]] = {COMMITTED: frozenset({DELETING}), DELETING: frozenset()}
+
+
+class _Stateful(Protocol):
+    id: Any
+    state: Any
+
+
+def db_now(session: Session) -> datetime:
+    """The database clock: every timestamp and heartbeat comparison uses it, never a host's."""
+    now: datetime = session.execute(select(utcnow())).scalar_one()
+    return now
+
+
+def _compare_and_set(session: Session, row: _Stateful, expected: str, values: dict[str, Any]) -> bool:
+    """Write `values` to `row` only while its state is still `expected`; False when it moved.
+
+    The ORM object is updated as if loaded (no second UPDATE at flush); on a lost race its state
+    is re-read, so the caller's error names the state that won."""
+    model = type(row)
+    result = session.execute(
+        update(model)
+        .where(model.id == row.id, model.state == expected)  # type: ignore[attr-defined]
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        session.refresh(row, ["state"])
+        return False
+    for key, value in values.items():
+        set_committed_value(row, key, value)
+    return True
+
+
+def _move(
+    session: Session, kind: str, row: _Stateful, table: dict[Any, frozenset[Any]], target: Any, **values: Any
+) -> None:
+    """The one compare-and-set move: the rule table, then the conditional write."""
+    current = type(target)(row.state)
+    if target not in table[current]:
+        raise IllegalTransition(kind, row.id, str(current), str(target))
+    if not _compare_and_set(session, row, str(current), {"state": str(target), **values}):
+        raise IllegalTransition(kind, row.id, str(row.state), str(target), raced_from=str(current))
+
 
 def can_transition(current: JobState, target: JobState) -> bool:
     return target in ALLOWED[current]
@@ -44,18 +128,16 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
     """Move `job` to `target`, or raise `IllegalTransition` leaving it untouched."""
     current = JobState(job.state)
     if not can_transition(current, target):
-        raise IllegalTransition(job.id, current, target)
-    now: datetime = session.execute(select(utcnow())).scalar_one()
-    job.state = target.value
+        raise IllegalTransition("job", job.id, current.value, target.value)
+    now = db_now(session)
+    values: dict[str, Any] = {"wait_reason": WAITING_FOR_PASS if target is S.QUEUED else None}
     if target is S.RUNNING and job.started_at is None:
-        job.started_at = now
+        values["started_at"] = now
     if target.is_terminal:
-        job.ended_at = now
-        job.wait_reason = None
-        if target is S.FAILED:
-            job.failure_reason = reason
-    if target is not S.QUEUED:
-        job.wait_reason = None
+        values["ended_at"] = now
+    if target is S.FAILED:
+        values["failure_reason"] = reason
+    _move(session, "job", job, ALLOWED, target, **values)
     session.add(JobEvent(job_id=job.id, time=now, from_state=current.value, to_state=target.value, reason=reason))
     session.flush()
     note_job_change(session, job.id)
@@ -64,29 +146,40 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
         note_study_change(session, study_id, trial_ended=target.is_terminal)
 
 
-STUDY_ALLOWED: dict[StudyState, frozenset[StudyState]] = {
-    StudyState.RUNNING: frozenset({StudyState.STOPPED, StudyState.COMPLETED, StudyState.FAILED}),
-    StudyState.STOPPED: frozenset({StudyState.RUNNING}),
-    StudyState.COMPLETED: frozenset(),
-    StudyState.FAILED: frozenset(),
-}
+def set_wait_reason(session: Session, job: Job, reason: str) -> None:
+    """Why a QUEUED job waits (the scheduling pass's sentence); only while it is still QUEUED."""
+    if job.wait_reason != reason:
+        _compare_and_set(session, job, S.QUEUED.value, {"wait_reason": reason})
 
 
 def transition_study(session: Session, study: TuningStudy, target: StudyState, reason: str) -> None:
-    """Move `study` to `target`, or raise `IllegalStudyTransition` leaving it untouched. Keeps
-    its running time (what `timeout` counts) without the time it spent STOPPED."""
+    """Move `study` to `target`, or raise `IllegalTransition` leaving it untouched. Keeps its
+    running time (what `timeout` counts) without the time it spent STOPPED."""
     current = StudyState(study.state)
-    if target not in STUDY_ALLOWED[current]:
-        raise IllegalStudyTransition(study.id, current, target)
-    now: datetime = session.execute(select(utcnow())).scalar_one()
+    now = db_now(session)
+    values: dict[str, Any] = {"reason": reason, "running_since": now if target is StudyState.RUNNING else None}
     if current is StudyState.RUNNING and study.running_since is not None:
-        study.running_seconds += (now - study.running_since).total_seconds()
-        study.running_since = None
-    if target is StudyState.RUNNING:
-        study.running_since = now
+        values["running_seconds"] = study.running_seconds + (now - study.running_since).total_seconds()
     if target.is_terminal:
-        study.ended_at = now
-    study.state = target.value
-    study.reason = reason
+        values["ended_at"] = now
+    _move(session, "study", study, STUDY_ALLOWED, target, **values)
     session.flush()
     note_study_change(session, study.id)
+
+
+def transition_agent(session: Session, agent: Agent, target: AgentState) -> None:
+    _move(session, "agent", agent, AGENT_ALLOWED, target)
+
+
+def transition_node(session: Session, node: AllocationNode, target: NodeState, **values: Any) -> None:
+    """`values`: what the move records with it (start time; exit code, reason and end time)."""
+    _move(session, "node", node, NODE_ALLOWED, target, **values)
+
+
+def transition_trial(session: Session, trial: TuningTrial, target: TrialState, **values: Any) -> None:
+    _move(session, "trial", trial, TRIAL_ALLOWED, target, **values)
+    note_study_change(session, trial.study_id)
+
+
+def transition_checkpoint(session: Session, checkpoint: Checkpoint, target: str) -> None:
+    _move(session, "checkpoint", checkpoint, CHECKPOINT_ALLOWED, target)

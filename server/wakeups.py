@@ -8,10 +8,12 @@ each server process keeps one inotify watch on that folder that sets the same ev
 long-polls cost nothing while training runs on the same cores. Where inotify is missing, waiters
 stat their file every `POLL_SECONDS` instead.
 
-Contract: publish after commit, never inside a transaction; a lost wake-up only delays an agent
-until its long-poll times out, because waiters always re-read the database. Job channels are
-published by construction after commit: `transitions.transition` notes the job in the session and
-`wake_job_watchers_after_commit` publishes what a committed session noted.
+Contract: publish and enqueue after commit, never inside a transaction; a lost wake-up only delays
+an agent until its long-poll times out, because waiters always re-read the database. Code that
+changes something notes the effect in its session (`note_job_change`, `note_agent_work`,
+`note_schedule`, `note_task`, ...), and `publish_after_commit`, installed once on each process's
+sessionmaker, carries the noted effects out after the commit succeeds; a rollback drops them.
+Nothing else publishes or enqueues by hand.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -33,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from server.inotify import IN_CLOSE_WRITE, IN_MOVED_TO, FolderWatch
+from server.task_names import ADVANCE_STUDY_TASK, SCHEDULE_TASK
 
 T = TypeVar("T")
 PREFIX = "phalanx:wake:"
@@ -43,6 +46,15 @@ log = logging.getLogger(__name__)
 _CHANGED_JOBS = "phalanx.changed_jobs"
 _CHANGED_STUDIES = "phalanx.changed_studies"
 _ENDED_TRIAL_STUDIES = "phalanx.ended_trial_studies"
+_CHANNELS = "phalanx.channels"
+_TASKS = "phalanx.tasks"
+
+
+class Enqueue(Protocol):
+    """Send a task to the scheduler's queue (IDs only); a lost enqueue only delays the work,
+    because every task is also run by a periodic pass."""
+
+    def __call__(self, task: str, *args: int, countdown: float = 0.0) -> None: ...
 
 
 def agent_channel(agent_id: int) -> str:
@@ -66,6 +78,9 @@ def job_data_channel(job_id: int) -> str:
 JOBS_CHANNEL = "jobs"  # any job changed state (the dashboard's jobs table and overview)
 
 
+# --- effects noted inside a transaction, carried out after its commit, dropped on rollback ------
+
+
 def note_job_change(session: Session, job_id: int) -> None:
     """Remember that `job_id` changed state in this session's transaction (published on commit)."""
     session.info.setdefault(_CHANGED_JOBS, set()).add(job_id)
@@ -77,6 +92,60 @@ def note_study_change(session: Session, study_id: int, *, trial_ended: bool = Fa
     session.info.setdefault(_CHANGED_STUDIES, set()).add(study_id)
     if trial_ended:
         session.info.setdefault(_ENDED_TRIAL_STUDIES, set()).add(study_id)
+
+
+def note_agent_work(session: Session, agent_ids: Iterable[int]) -> None:
+    """These agents' assignments changed: their work long-polls answer after the commit."""
+    session.info.setdefault(_CHANNELS, set()).update(agent_channel(a) for a in agent_ids)
+
+
+def noted_agents(session: Session) -> set[int]:
+    """The agents this transaction has noted so far (what a pass reports it woke)."""
+    prefix = agent_channel(0)[:-1]
+    return {int(c[len(prefix) :]) for c in session.info.get(_CHANNELS, ()) if c.startswith(prefix)}
+
+
+def note_job_data(session: Session, job_id: int) -> None:
+    """Metrics, logs or a checkpoint of the job arrived (live charts and log views)."""
+    session.info.setdefault(_CHANNELS, set()).add(job_data_channel(job_id))
+
+
+def note_task(session: Session, task: str, *args: int) -> None:
+    """Enqueue `task(*args)` once this transaction commits (once, however often it is noted)."""
+    session.info.setdefault(_TASKS, {}).setdefault((task, args), None)
+
+
+def note_schedule(session: Session) -> None:
+    """Slots were freed or a job was queued: a scheduling pass should run after the commit."""
+    note_task(session, SCHEDULE_TASK)
+
+
+def publish_after_commit(sessions: sessionmaker[Session], publisher: Publisher, enqueue: Enqueue | None) -> None:
+    """Carry out what a committed session noted: publish the job, study, agent and job-data
+    channels, and enqueue the noted tasks and a driver pass for every study one of whose trial
+    jobs ended. Everything noted is dropped on rollback. `enqueue=None` (a process with no
+    queue) only publishes."""
+
+    @orm_event.listens_for(sessions, "after_commit")
+    def _carry_out(session: Session) -> None:
+        jobs = session.info.pop(_CHANGED_JOBS, None) or set()
+        studies = session.info.pop(_CHANGED_STUDIES, None) or set()
+        ended = session.info.pop(_ENDED_TRIAL_STUDIES, None) or set()
+        channels = set(session.info.pop(_CHANNELS, None) or ())
+        tasks = list(session.info.pop(_TASKS, None) or ())
+        channels |= {job_channel(j) for j in jobs} | {study_channel(s) for s in studies}
+        if jobs:
+            channels.add(JOBS_CHANNEL)
+        if channels:
+            publisher.publish(channels)
+        if enqueue is not None:
+            for task, args in [*tasks, *((ADVANCE_STUDY_TASK, (s,)) for s in sorted(ended))]:
+                enqueue(task, *args)
+
+    @orm_event.listens_for(sessions, "after_rollback")  # the real one: a savepoint's keeps the outer changes
+    def _forget(session: Session) -> None:
+        for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES, _CHANNELS, _TASKS):
+            session.info.pop(key, None)
 
 
 class Publisher:
@@ -98,31 +167,6 @@ class Publisher:
                 pipe.execute()
         except redis.RedisError as exc:  # a lost wake-up costs latency, never correctness
             log.warning("wake-up publish failed: %s", exc)
-
-
-def wake_job_watchers_after_commit(
-    sessions: sessionmaker[Session], publisher: Publisher, drive_study: Callable[[int], None] | None = None
-) -> None:
-    """Publish `job_channel` for every job whose state a session committed and `study_channel` for
-    every study it changed; call `drive_study(id)` for studies one of whose trial jobs ended (so
-    the driver tells Optuna and starts the next trial at once). Dropped on rollback."""
-
-    @orm_event.listens_for(sessions, "after_commit")
-    def _publish(session: Session) -> None:
-        jobs = session.info.pop(_CHANGED_JOBS, None) or set()
-        studies = session.info.pop(_CHANGED_STUDIES, None) or set()
-        ended = session.info.pop(_ENDED_TRIAL_STUDIES, None) or set()
-        if jobs or studies:
-            channels = [*(job_channel(j) for j in jobs), *(study_channel(s) for s in studies)]
-            publisher.publish([*channels, JOBS_CHANNEL] if jobs else channels)
-        if drive_study is not None:
-            for study_id in ended:
-                drive_study(study_id)
-
-    @orm_event.listens_for(sessions, "after_rollback")  # the real one: a savepoint's keeps the outer changes
-    def _forget(session: Session) -> None:
-        for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES):
-            session.info.pop(key, None)
 
 
 class Waiter:

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import exists, insert, select, update
+from sqlalchemy import exists, insert, select
 from sqlalchemy.orm import Session, selectinload
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import lifecycle, views
-from server.api.deps import (
-    AgentDep,
-    PublisherDep,
-    SessionDep,
-    SettingsDep,
-    UserDep,
-    WaiterDep,
-    read_capped_body,
-)
+from server import agents, attempts, commands, views
+from server.api.deps import AgentDep, Services, ServicesDep, SessionDep, UserDep, read_capped_body
 from server.checkpoints import storage_for
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import from_unix
 from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
 from server.settings import Settings
-from server.wakeups import agent_channel, job_data_channel
+from server.task_names import REAP_TASK
+from server.wakeups import agent_channel, note_agent_work, note_job_data
 
 router = APIRouter(prefix="/agents", tags=["agents"])
 # A hung peer is seen at the process-group timeout; torch's default (30 min for NCCL) is far too long.
@@ -46,43 +38,17 @@ def list_agents(session: SessionDep, _: UserDep) -> list[schemas.AgentView]:
 
 
 @router.post("/register", response_model=schemas.AgentView)
-def register(
-    registration: schemas.AgentRegistration,
-    request: Request,
-    session: SessionDep,
-    publisher: PublisherDep,
-    _: AgentDep,
-) -> schemas.AgentView:
+def register(registration: schemas.AgentRegistration, session: SessionDep, _: AgentDep) -> schemas.AgentView:
     """Register, or re-register after a restart: the agent's old processes are gone, so are its nodes."""
     with session.begin():
-        agent = session.scalars(select(Agent).where(Agent.name == registration.name).with_for_update()).one_or_none()
-        woken: set[int] = set()
-        if agent is None:
-            agent = Agent(name=registration.name)
-            session.add(agent)
-        else:
-            woken = lifecycle.fail_agent_nodes(session, agent, "the agent restarted while the node ran")
-        agent.address = registration.address
-        agent.cpu_slots = registration.cpu_slots
-        agent.gpu_slots = registration.gpu_slots
-        agent.state = schemas.AgentState.ACTIVE.value
-        agent.last_heartbeat = session.execute(select(utcnow())).scalar_one()
-        session.flush()
-        result = views.agents(session, [agent])[0]
-    publisher.publish(agent_channel(a) for a in woken)
-    request.app.state.kick_scheduler()
-    return result
+        agent = agents.register_agent(session, registration)
+        return views.agents(session, [agent])[0]
 
 
 @router.post("/{agent_id}/heartbeat", status_code=204)
 def heartbeat(agent_id: int, session: SessionDep, _: AgentDep) -> Response:
     with session.begin():
-        state = session.execute(select(Agent.state).where(Agent.id == agent_id)).scalar_one_or_none()
-        if state is None:
-            raise NotFound(f"agent {agent_id} is not registered; register it first")
-        if state == schemas.AgentState.LOST.value:
-            raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
-        session.execute(update(Agent).where(Agent.id == agent_id).values(last_heartbeat=utcnow()))
+        agents.heartbeat(session, agent_id)
     return Response(status_code=204)
 
 
@@ -138,24 +104,16 @@ def _resume_point(session: Session, allocation: Allocation) -> schemas.ResumePoi
 
 
 @router.post("/{agent_id}/drain", response_model=schemas.AgentView)
-def drain(agent_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.AgentView:
+def drain(agent_id: int, session: SessionDep, user: UserDep) -> schemas.AgentView:
     """Stop placing work on the agent; its attempts checkpoint, stop, and restart elsewhere."""
-    with session.begin():
-        agent = session.get(Agent, agent_id, with_for_update=True)
-        if agent is None:
-            raise NotFound(f"agent {agent_id} is not registered; `phalanx agents list` shows them")
-        woken = lifecycle.drain_agent(session, agent) | {agent.id}
-        result = views.agents(session, [agent])[0]
-    publisher.publish(agent_channel(a) for a in woken)
-    return result
+    return commands.drain_agent(session, user, agent_id)
 
 
 @router.get("/{agent_id}/work", response_model=schemas.AgentWork)
 async def agent_work(
     agent_id: int,
     request: Request,
-    settings: SettingsDep,
-    waiter: WaiterDep,
+    services: ServicesDep,
     _: AgentDep,
     version: str = "",
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
@@ -165,10 +123,10 @@ async def agent_work(
     A long-poll whose agent hangs up is a hint that the agent died (a live agent polls again at
     once): the reaper is then run the moment that agent's heartbeat timeout expires, instead of at
     its next periodic pass. Whether the agent is lost is still decided by its heartbeats alone."""
-    sessions = request.app.state.sessions
+    settings = services.settings
 
     def load() -> schemas.AgentWork:
-        with sessions() as session:
+        with services.sessions() as session:
             return _load_work(session, agent_id, settings)
 
     if wait <= 0:
@@ -182,7 +140,7 @@ async def agent_work(
 
     watcher = asyncio.create_task(watch_disconnect())
     try:
-        work = await waiter.until_changed(
+        work = await services.waiter.until_changed(
             agent_channel(agent_id),
             load,
             lambda work: work.version != version,
@@ -192,41 +150,32 @@ async def agent_work(
     finally:
         watcher.cancel()
     if gone.is_set():
-        await run_in_threadpool(_reap_at_expiry, request, agent_id)
+        await run_in_threadpool(_reap_at_expiry, services, agent_id)
     return work  # (nobody reads it when the agent hung up)
 
 
-def _reap_at_expiry(request: Request, agent_id: int) -> None:
-    """Enqueue a reaper pass for the moment `agent_id`'s heartbeat timeout expires."""
-    settings: Settings = request.app.state.settings
-    with request.app.state.sessions() as session:
+def _reap_at_expiry(services: Services, agent_id: int) -> None:
+    """Enqueue a reaper pass, due the moment `agent_id`'s heartbeat timeout expires."""
+    with services.sessions() as session:
         row = session.execute(select(Agent.last_heartbeat, utcnow()).where(Agent.id == agent_id)).one_or_none()
     if row is None:
         return
     last_heartbeat, now = row
-    delay = max((last_heartbeat - now).total_seconds() + settings.heartbeat_timeout, 0.0) + REAP_MARGIN_S
-    timer = threading.Timer(delay, request.app.state.enqueue, args=("phalanx.reap",))
-    timer.daemon = True
-    timer.start()
+    delay = max((last_heartbeat - now).total_seconds() + services.settings.heartbeat_timeout, 0.0) + REAP_MARGIN_S
+    services.enqueue(REAP_TASK, countdown=delay)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
 def rendezvous(
-    agent_id: int,
-    allocation_id: int,
-    body: schemas.Rendezvous,
-    session: SessionDep,
-    publisher: PublisherDep,
-    _: AgentDep,
+    agent_id: int, allocation_id: int, body: schemas.Rendezvous, session: SessionDep, _: AgentDep
 ) -> Response:
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
     with session.begin():
-        allocation, _node = lifecycle.find_node(session, agent_id, allocation_id, 0)
+        allocation, _node = attempts.find_node(session, agent_id, allocation_id, 0)
         if not allocation.active:
             raise Conflict(f"allocation {allocation_id} has ended; its rendezvous cannot change")
         allocation.master_port = body.master_port
-        peers = {n.agent_id for n in allocation.nodes}
-    publisher.publish(agent_channel(a) for a in peers)
+        note_agent_work(session, (n.agent_id for n in allocation.nodes))
     return Response(status_code=204)
 
 
@@ -235,41 +184,31 @@ def node_started(
     agent_id: int, allocation_id: int, body: schemas.NodeStarted, session: SessionDep, _: AgentDep
 ) -> Response:
     with session.begin():
-        allocation, node = lifecycle.find_node(session, agent_id, allocation_id, body.node_rank)
-        lifecycle.record_node_started(session, allocation, node)
+        allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
+        attempts.record_node_started(session, allocation, node)
     return Response(status_code=204)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/exit", status_code=204)
-def node_exit(
-    agent_id: int,
-    allocation_id: int,
-    body: schemas.NodeExit,
-    request: Request,
-    session: SessionDep,
-    publisher: PublisherDep,
-    _: AgentDep,
-) -> Response:
+def node_exit(agent_id: int, allocation_id: int, body: schemas.NodeExit, session: SessionDep, _: AgentDep) -> Response:
     with session.begin():
-        allocation, node = lifecycle.find_node(session, agent_id, allocation_id, body.node_rank)
-        woken = lifecycle.record_node_exit(session, allocation, node, body.exit_code, body.reason)
-    publisher.publish(agent_channel(a) for a in woken)
-    request.app.state.kick_scheduler()  # slots were freed
+        allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
+        attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason)
     return Response(status_code=204)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)
 async def ship_logs(
-    agent_id: int, allocation_id: int, request: Request, settings: SettingsDep, _: AgentDep
+    agent_id: int, allocation_id: int, request: Request, services: ServicesDep, _: AgentDep
 ) -> Response:
-    raw = await read_capped_body(request, settings.max_log_batch_bytes, "the log batch")
+    raw = await read_capped_body(request, services.settings.max_log_batch_bytes, "the log batch")
     try:
         batch = schemas.LogBatch.model_validate_json(raw)
     except ValidationError as exc:
         raise Unprocessable(f"invalid log batch: {exc.errors()[0]['msg']}", exc.errors()) from exc
 
-    def store() -> int:
-        with request.app.state.sessions() as session, session.begin():
+    def store() -> None:
+        with services.sessions() as session, session.begin():
             hosted = exists().where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == agent_id)
             row = session.execute(
                 select(Allocation.job_id, Allocation.active, hosted).where(Allocation.id == allocation_id)
@@ -297,8 +236,7 @@ async def ship_logs(
                     for line in batch.lines
                 ],
             )
-        return int(job_id)
+            note_job_data(session, job_id)  # live log views
 
-    job_id = await run_in_threadpool(store)
-    request.app.state.publisher.publish([job_data_channel(job_id)])  # live log views
+    await run_in_threadpool(store)
     return Response(status_code=204)

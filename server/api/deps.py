@@ -1,43 +1,64 @@
-"""Dependency aliases shared by every router: settings, sessions, and who is calling."""
+"""The app's services, typed, and the dependency aliases every router and page uses: settings,
+sessions, the waiter, the task queue, and who is calling."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.templating import Jinja2Templates
+from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.auth import Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, TooLarge, Unauthorized
 from server.settings import Settings
-from server.wakeups import Publisher, Waiter
+from server.wakeups import Enqueue, Waiter
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """Everything a request may need besides its own input, built once by `create_app`. Sessions
+    from `sessions` carry out the wake-ups and tasks they noted after each commit."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    waiter: Waiter
+    enqueue: Enqueue
+    templates: Jinja2Templates
+    prometheus: CollectorRegistry
+    token_cache: TokenCache = field(default_factory=TokenCache)
+    # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
+    study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
+
+
+def install_services(app: FastAPI, services: Services) -> None:
+    app.state.services = services
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
 
 
 def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+    return get_services(request).settings
 
 
 def get_sessions(request: Request) -> sessionmaker[Session]:
-    sessions: sessionmaker[Session] = request.app.state.sessions
-    return sessions
+    return get_services(request).sessions
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """A session with no transaction begun: the route owns `with session.begin():`."""
+    """A session with no transaction begun: the command or route owns `with session.begin():`."""
     with get_sessions(request)() as session:
         yield session
 
 
-def get_publisher(request: Request) -> Publisher:
-    publisher: Publisher = request.app.state.publisher
-    return publisher
-
-
 def get_waiter(request: Request) -> Waiter:
-    waiter: Waiter = request.app.state.waiter
-    return waiter
+    return get_services(request).waiter
 
 
 def get_principal(request: Request) -> Principal:
@@ -53,7 +74,7 @@ def get_principal(request: Request) -> Principal:
 
 def authenticate(request: Request, token: str) -> Principal | None:
     """Who `token` belongs to (cached for a few seconds), or None for an unknown token."""
-    cache: TokenCache = request.app.state.token_cache
+    cache = get_services(request).token_cache
     token_hash = hash_token(token)
     principal = cache.get(token_hash)
     if principal is None:
@@ -92,10 +113,10 @@ async def read_capped_body(request: Request, limit: int, what: str) -> bytes:
     return body
 
 
+ServicesDep = Annotated[Services, Depends(get_services)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
-PublisherDep = Annotated[Publisher, Depends(get_publisher)]
 WaiterDep = Annotated[Waiter, Depends(get_waiter)]
 UserDep = Annotated[Principal, Depends(require_user)]
 AdminDep = Annotated[Principal, Depends(require_admin)]

@@ -7,18 +7,17 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import checkpoints, lifecycle, views
-from server.api.deps import AgentDep, PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
-from server.api.uploads import parse_spec, refuse_oversized, store_bundle
+from server import access, checkpoints, commands, jobs, views
+from server.api.deps import AgentDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
+from server.api.uploads import parse_spec, refuse_oversized
 from server.auth import Principal
 from server.errors import NotFound
-from server.models import Checkpoint, Job, LogLine, Metric
-from server.settings import Settings
-from server.wakeups import agent_channel, job_channel
+from server.models import Job, LogLine, Metric
+from server.wakeups import job_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -33,48 +32,29 @@ def submit_job(
     bundle: Annotated[UploadFile | None, File(description="The workdir as .tar.gz")] = None,
 ) -> schemas.JobView:
     refuse_oversized(request, settings)
-    return accept_job(request, session, settings, user, parse_spec(schemas.JobSpec, spec, "job spec"), bundle)
-
-
-def accept_job(
-    request: Request,
-    session: Session,
-    settings: Settings,
-    user: Principal,
-    spec: schemas.JobSpec,
-    bundle: UploadFile | None,
-) -> schemas.JobView:
-    """Store the code bundle, queue the job (422 when no agents could ever host it, nothing
-    created) and wake the scheduler: a submission from the API or the dashboard."""
-    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
-    assert user.user_id is not None
-    with session.begin():
-        job = lifecycle.create_job(session, spec, user.user_id, sha, size)
-        result = views.job(session, job, latest=False)
-    request.app.state.kick_scheduler()
-    return result
+    job_spec = parse_spec(schemas.JobSpec, spec, "job spec")
+    return commands.submit_job(session, settings, user, job_spec, bundle.file if bundle is not None else None)
 
 
 @router.get("", response_model=list[schemas.JobView])
 def list_jobs(
     session: SessionDep,
-    _: UserDep,
+    user: UserDep,
     state: schemas.JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> list[schemas.JobView]:
-    query = select(Job).options(selectinload(Job.owner)).order_by(Job.id.desc()).limit(limit).offset(offset)
+    query = access.visible_jobs(user).order_by(Job.id.desc()).limit(limit).offset(offset)
     if state is not None:
         query = query.where(Job.state == state.value)
     with session.begin():
         return [views.job(session, row) for row in session.scalars(query)]
 
 
-def _load_job_detail(session: Session, job_id: int) -> schemas.JobDetail:
+def _load_job_detail(session: Session, user: Principal, job_id: int) -> schemas.JobDetail:
     with session.begin():
-        job = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one_or_none()
-        if job is None:
-            raise NotFound(f"job {job_id} does not exist; `phalanx jobs list` shows the jobs you can see")
+        access.job_for(session, user, job_id)
+        job = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
         return views.job_detail(session, job)
 
 
@@ -84,7 +64,7 @@ async def show_job(
     sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
-    _: UserDep,
+    user: UserDep,
     state: Annotated[
         schemas.JobState | None, Query(description="With `wait`: answer once the job is no longer in this state")
     ] = None,
@@ -95,7 +75,7 @@ async def show_job(
 
     def load() -> schemas.JobDetail:
         with sessions() as session:
-            return _load_job_detail(session, job_id)
+            return _load_job_detail(session, user, job_id)
 
     if state is None or wait <= 0:
         return await run_in_threadpool(load)
@@ -105,26 +85,21 @@ async def show_job(
 
 
 @router.post("/{job_id}/kill", response_model=schemas.JobView)
-def kill_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.JobView:
-    with session.begin():
-        job = lifecycle.get_job(session, job_id, lock=True)
-        woken = lifecycle.kill_job(session, job)
-        result = views.job(session, job)
-    publisher.publish(agent_channel(a) for a in woken)
-    return result
+def kill_job(job_id: int, session: SessionDep, user: UserDep) -> schemas.JobView:
+    return commands.kill_job(session, user, job_id)
 
 
 @router.get("/{job_id}/logs", response_model=list[schemas.LogRecord])
 def job_logs(
     job_id: int,
     session: SessionDep,
-    _: UserDep,
+    user: UserDep,
     rank: int | None = None,
     after: Annotated[int, Query(ge=0, description="Only lines with an id above this")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[schemas.LogRecord]:
     with session.begin():
-        lifecycle.get_job(session, job_id)
+        access.job_for(session, user, job_id)
         query = select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after).order_by(LogLine.id).limit(limit)
         if rank is not None:
             query = query.where(LogLine.rank == rank)
@@ -135,7 +110,7 @@ def job_logs(
 def job_metrics(
     job_id: int,
     session: SessionDep,
-    _: UserDep,
+    user: UserDep,
     name: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
     all_attempts: Annotated[
@@ -143,7 +118,7 @@ def job_metrics(
     ] = False,
 ) -> list[schemas.MetricPoint]:
     with session.begin():
-        lifecycle.get_job(session, job_id)
+        access.job_for(session, user, job_id)
         query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.id).limit(limit)
         if not all_attempts:
             query = query.where(Metric.superseded.is_(False))
@@ -165,8 +140,7 @@ def job_metrics(
 @router.get("/{job_id}/bundle", response_class=FileResponse)
 def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: AgentDep) -> FileResponse:
     with session.begin():
-        job = lifecycle.get_job(session, job_id)
-        sha = job.bundle_sha256
+        sha = jobs.get_job(session, job_id).bundle_sha256
     if sha is None:
         raise NotFound(f"job {job_id} was submitted without a code bundle")
     path = settings.bundle_dir / f"{sha}.tar.gz"
@@ -176,45 +150,26 @@ def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: Agent
 
 
 @router.post("/{job_id}/pause", response_model=schemas.JobView)
-def pause_job(job_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.JobView:
+def pause_job(job_id: int, session: SessionDep, user: UserDep) -> schemas.JobView:
     """SIGTERM the workers: `should_stop()` turns true, they checkpoint and exit. `resume` requeues."""
-    with session.begin():
-        job = lifecycle.get_job(session, job_id, lock=True)
-        woken = lifecycle.pause_job(session, job)
-        result = views.job(session, job)
-    publisher.publish(agent_channel(a) for a in woken)
-    return result
+    return commands.pause_job(session, user, job_id)
 
 
 @router.post("/{job_id}/resume", response_model=schemas.JobView)
-def resume_job(job_id: int, request: Request, session: SessionDep, _: UserDep) -> schemas.JobView:
+def resume_job(job_id: int, session: SessionDep, user: UserDep) -> schemas.JobView:
     """Queue a paused job again; it starts from its newest checkpoint."""
-    with session.begin():
-        job = lifecycle.get_job(session, job_id, lock=True)
-        lifecycle.resume_job(session, job)
-        result = views.job(session, job)
-    request.app.state.kick_scheduler()
-    return result
+    return commands.resume_job(session, user, job_id)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[schemas.CheckpointView])
-def list_checkpoints(job_id: int, session: SessionDep, _: UserDep) -> list[schemas.CheckpointView]:
+def list_checkpoints(job_id: int, session: SessionDep, user: UserDep) -> list[schemas.CheckpointView]:
     with session.begin():
-        lifecycle.get_job(session, job_id)
+        access.job_for(session, user, job_id)
         return [views.checkpoint(row) for row in checkpoints.committed(session, job_id)]
 
 
 @router.get("/{job_id}/checkpoints/{step}/archive", response_class=StreamingResponse)
-def download_checkpoint(job_id: int, step: int, session: SessionDep, _: UserDep) -> StreamingResponse:
+def download_checkpoint(job_id: int, step: int, session: SessionDep, user: UserDep) -> StreamingResponse:
     """The checkpoint's files as a .tar.gz, read through fsspec from wherever they are stored."""
-    with session.begin():
-        lifecycle.get_job(session, job_id)
-        row = session.scalars(
-            select(Checkpoint).where(
-                Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.state == checkpoints.COMMITTED
-            )
-        ).first()
-        if row is None:
-            raise NotFound(f"job {job_id} has no checkpoint at step {step}; `phalanx checkpoints list {job_id}`")
-        path = row.path
+    path = commands.committed_checkpoint_path(session, user, job_id, step)
     return StreamingResponse(checkpoints.archive(path), media_type="application/gzip")

@@ -5,19 +5,17 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import studies, views
-from server.api.deps import PublisherDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
-from server.api.uploads import parse_spec, refuse_oversized, store_bundle
+from server import access, commands, views
+from server.api.deps import SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
+from server.api.uploads import parse_spec, refuse_oversized
 from server.auth import Principal
 from server.errors import Conflict, Unprocessable
 from server.models import TuningStudy
-from server.settings import Settings
-from server.wakeups import agent_channel, study_channel
+from server.wakeups import study_channel
 
 router = APIRouter(prefix="/studies", tags=["studies"])
 
@@ -33,45 +31,27 @@ def create_study(
 ) -> schemas.Study:
     """Validate the study (422 naming the field, nothing created) and start its driver."""
     refuse_oversized(request, settings)
-    return accept_study(request, session, settings, user, parse_spec(schemas.StudySpec, spec, "study spec"), bundle)
-
-
-def accept_study(
-    request: Request,
-    session: Session,
-    settings: Settings,
-    user: Principal,
-    spec: schemas.StudySpec,
-    bundle: UploadFile | None,
-) -> schemas.Study:
-    """Store the trials' code bundle, create the study (422 when no agents could ever host a trial,
-    nothing created) and start its driver: a study from the API or the dashboard."""
-    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
-    assert user.user_id is not None
-    with session.begin():
-        row = studies.create_study(session, spec, user.user_id, sha, size)
-        result = views.study(session, row)
-    request.app.state.drive_study(result.id)
-    return result
+    study_spec = parse_spec(schemas.StudySpec, spec, "study spec")
+    return commands.submit_study(session, settings, user, study_spec, bundle.file if bundle is not None else None)
 
 
 @router.get("", response_model=list[schemas.Study])
 def list_studies(
     session: SessionDep,
-    _: UserDep,
+    user: UserDep,
     state: schemas.StudyState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[schemas.Study]:
-    query = select(TuningStudy).options(selectinload(TuningStudy.owner)).order_by(TuningStudy.id.desc()).limit(limit)
+    query = access.visible_studies(user).order_by(TuningStudy.id.desc()).limit(limit)
     if state is not None:
         query = query.where(TuningStudy.state == state.value)
     with session.begin():
         return [views.study(session, row) for row in session.scalars(query)]
 
 
-def _detail(session: Session, study_id: int) -> schemas.StudyDetail:
+def _detail(session: Session, user: Principal, study_id: int) -> schemas.StudyDetail:
     with session.begin():
-        return views.study_detail(session, studies.get_study(session, study_id))
+        return views.study_detail(session, access.study_for(session, user, study_id))
 
 
 @router.get("/{study_id}", response_model=schemas.StudyDetail)
@@ -80,7 +60,7 @@ async def show_study(
     sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
-    _: UserDep,
+    user: UserDep,
     version: Annotated[str | None, Query(description="With `wait`: answer once the study differs from it")] = None,
     wait: Annotated[float, Query(ge=0, le=300, description="Seconds to hold the request (long-poll)")] = 0.0,
 ) -> schemas.StudyDetail:
@@ -89,7 +69,7 @@ async def show_study(
 
     def load() -> schemas.StudyDetail:
         with sessions() as session:
-            return _detail(session, study_id)
+            return _detail(session, user, study_id)
 
     if version is None or wait <= 0:
         return await run_in_threadpool(load)
@@ -99,37 +79,26 @@ async def show_study(
 
 
 @router.post("/{study_id}/stop", response_model=schemas.Study)
-def stop_study(study_id: int, session: SessionDep, publisher: PublisherDep, _: UserDep) -> schemas.Study:
+def stop_study(study_id: int, session: SessionDep, user: UserDep) -> schemas.Study:
     """No new trials; running trials checkpoint and pause until `resume`."""
-    with session.begin():
-        row = studies.get_study(session, study_id, lock=True)
-        woken = studies.stop_study(session, row)
-        result = views.study(session, row)
-    publisher.publish(agent_channel(a) for a in woken)
-    return result
+    return commands.stop_study(session, user, study_id)
 
 
 @router.post("/{study_id}/resume", response_model=schemas.Study)
-def resume_study(study_id: int, request: Request, session: SessionDep, _: UserDep) -> schemas.Study:
+def resume_study(study_id: int, session: SessionDep, user: UserDep) -> schemas.Study:
     """Resume the paused trials (from their checkpoints) and start new ones up to n_trials."""
-    with session.begin():
-        row = studies.get_study(session, study_id, lock=True)
-        studies.resume_study(session, row)
-        result = views.study(session, row)
-    request.app.state.kick_scheduler()
-    request.app.state.drive_study(study_id)
-    return result
+    return commands.resume_study(session, user, study_id)
 
 
 @router.get("/{study_id}/best", response_model=schemas.StudyBest)
-def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, _: UserDep) -> schemas.StudyBest:
+def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, user: UserDep) -> schemas.StudyBest:
     """The best trial as Optuna reckons it (among equal values, the first), or the Pareto front
     of a multi-objective study."""
     import optuna
 
     from server import tuning
 
-    detail = _detail(session, study_id)
+    detail = _detail(session, user, study_id)
     if not any(t.state is schemas.TrialState.COMPLETE for t in detail.trials):
         raise Conflict(f"study {study_id} has no COMPLETE trial yet; `phalanx studies show {study_id}` lists them")
     study = tuning.load(settings.database_url, detail.optuna_study_name, detail.spec)
@@ -148,7 +117,7 @@ def param_importances(
     study_id: int,
     session: SessionDep,
     settings: SettingsDep,
-    _: UserDep,
+    user: UserDep,
     method: Annotated[str, Query(description="ped_anova (default) or fanova")] = "ped_anova",
 ) -> schemas.ParamImportances:
     """Each parameter's share of the objective's variation (Optuna's importance evaluators)."""
@@ -156,7 +125,7 @@ def param_importances(
 
     if method not in tuning.IMPORTANCE_METHODS:
         raise Unprocessable(f"method {method!r} is not one of {', '.join(tuning.IMPORTANCE_METHODS)}")
-    detail = _detail(session, study_id)
+    detail = _detail(session, user, study_id)
     if detail.spec.multi_objective:
         raise Unprocessable("parameter importance is computed for single-objective studies only")
     complete = sum(t.state is schemas.TrialState.COMPLETE for t in detail.trials)

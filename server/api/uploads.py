@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from fastapi import Request, UploadFile
+from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from server.errors import TooLarge, Unprocessable
@@ -41,27 +38,3 @@ def refuse_oversized(request: Request, settings: Settings) -> None:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > settings.max_bundle_bytes + (1 << 20):
         raise TooLarge(f"the upload is over the {settings.max_bundle_bytes // 2**20} MiB bundle cap")
-
-
-def store_bundle(settings: Settings, bundle: UploadFile) -> tuple[str, int]:
-    """Copy the upload to the content-addressed bundle store, enforcing the size cap as it streams."""
-    settings.bundle_dir.mkdir(parents=True, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
-    fd, tmp = tempfile.mkstemp(dir=settings.bundle_dir, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            while chunk := bundle.file.read(1 << 20):
-                size += len(chunk)
-                if size > settings.max_bundle_bytes:
-                    raise TooLarge(
-                        f"the code bundle is over the {settings.max_bundle_bytes // 2**20} MiB cap; "
-                        "keep data sets out of the job's workdir"
-                    )
-                digest.update(chunk)
-                out.write(chunk)
-        sha = digest.hexdigest()
-        os.replace(tmp, settings.bundle_dir / f"{sha}.tar.gz")
-        return sha, size
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

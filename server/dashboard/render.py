@@ -11,8 +11,10 @@ from urllib.parse import quote
 from fastapi import Depends, FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
+from server.api.deps import get_services
 from server.auth import Principal
 from server.dashboard.session import csrf_ok, csrf_token, current_user, remember_csrf
+from server.errors import PhalanxError
 
 
 class SignInRequired(Exception):
@@ -40,10 +42,19 @@ def age(since: datetime) -> str:
 
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
     context = {"user": current_user(request), "csrf_token": csrf_token(request), **context}
-    response: HTMLResponse = request.app.state.templates.TemplateResponse(
+    response: HTMLResponse = get_services(request).templates.TemplateResponse(
         request, template, context, status_code=status
     )
     return remember_csrf(request, response)
+
+
+TITLES = {403: "Forbidden", 404: "Not found", 409: "Conflict", 413: "Too large", 422: "Cannot be done"}
+
+
+def error_page(request: Request, exc: PhalanxError) -> HTMLResponse:
+    """A domain error met on a page (an id the user cannot see, ...), as a page with its status."""
+    title = TITLES.get(exc.status_code, "Refused")
+    return render(request, "error.html", exc.status_code, title=title, message=exc.message)
 
 
 def signed_in(request: Request) -> Principal:

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from phalanx.schemas import JobState, StudyState
 from server.db import make_engine, upgrade
-from server.errors import IllegalStudyTransition, IllegalTransition
+from server.errors import IllegalTransition
 from server.models import Job, JobEvent, TuningStudy, User
 from server.transitions import ALLOWED, STUDY_ALLOWED, can_transition, transition, transition_study
 
@@ -138,7 +138,7 @@ def test_every_study_pair(session_maker, current: StudyState, target: StudyState
             assert (study.running_since is not None) == (target is StudyState.RUNNING)
             assert study.running_seconds >= 5.0
         else:
-            with pytest.raises(IllegalStudyTransition, match=f"is {current.value} and cannot become {target.value}"):
+            with pytest.raises(IllegalTransition, match=f"is {current.value} and cannot become {target.value}"):
                 transition_study(session, study, target, "nope")
             assert study.state == current.value
         session.rollback()

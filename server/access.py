@@ -1,0 +1,60 @@
+"""Who may see and change what: the one place every REST route and dashboard page asks.
+
+Rules today: a user sees and acts on the jobs and studies they own; an admin on all of them.
+Someone else's object answers 404, as an unknown one does, so ids reveal nothing. Every user may
+list and drain agents (the tenancy issue narrows this to admins and teams). Agents reach only the
+agent protocol (`server/api/deps.py`'s `AgentDep`).
+
+Each `*_for` reads the row (locked when `lock`) or raises `NotFound`; each `visible_*` is the
+query of what a principal may list, for callers that add their own filters and paging.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Select, select
+from sqlalchemy.orm import Session, selectinload
+
+from server.attempts import lock_job
+from server.auth import Principal
+from server.errors import NotFound
+from server.models import Job, TuningStudy
+from server.studies import get_study
+
+
+def visible_jobs(principal: Principal) -> Select[tuple[Job]]:
+    query = select(Job).options(selectinload(Job.owner))
+    return query if principal.is_admin else query.where(Job.owner_id == principal.user_id)
+
+
+def visible_studies(principal: Principal) -> Select[tuple[TuningStudy]]:
+    query = select(TuningStudy).options(selectinload(TuningStudy.owner))
+    return query if principal.is_admin else query.where(TuningStudy.owner_id == principal.user_id)
+
+
+def _no_job(job_id: int) -> NotFound:
+    return NotFound(
+        f"there is no job {job_id} that you can see: it does not exist or is not yours; `phalanx jobs list`"
+    )
+
+
+def job_for(session: Session, principal: Principal, job_id: int, *, lock: bool = False) -> Job:
+    """The job, if `principal` may see it; locked (re-read) when `lock`."""
+    job = session.get(Job, job_id)
+    if job is None or not (principal.is_admin or job.owner_id == principal.user_id):
+        raise _no_job(job_id)
+    return lock_job(session, job_id) if lock else job
+
+
+def study_for(session: Session, principal: Principal, study_id: int, *, lock: bool = False) -> TuningStudy:
+    """The study, if `principal` may see it; locked (re-read) when `lock`."""
+    study = session.get(TuningStudy, study_id)
+    if study is None or not (principal.is_admin or study.owner_id == principal.user_id):
+        raise NotFound(
+            f"there is no study {study_id} that you can see: it does not exist or is not yours; `phalanx studies list`"
+        )
+    return get_study(session, study_id, lock=True) if lock else study
+
+
+def may_drain_agents(principal: Principal) -> None:
+    """Draining is open to every user today (see the module docstring)."""
+    del principal

@@ -1,0 +1,122 @@
+"""Agents: registration, heartbeats, drains and loss, and the slots they offer.
+
+An agent is ACTIVE, DRAINING (no new work; its attempts checkpoint and restart elsewhere) or LOST
+(no heartbeat for the timeout, by the database clock). States change only through
+`server.transitions` (`AGENT_ALLOWED`): a restarted agent that re-registers stays DRAINING if it
+was drained, and only a LOST one becomes ACTIVE again. Functions flush, never commit, and note
+their effects in the session.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from phalanx.schemas import AgentRegistration, AgentState
+from server.attempts import Failure, end_attempts_on_agent, fail_nodes_on_agent
+from server.db import SERVER_STARTED
+from server.errors import Conflict, NotFound
+from server.models import Agent, ControlPlane, SlotLease, utcnow
+from server.placement import AgentSlots
+from server.transitions import db_now, transition_agent
+from server.wakeups import note_agent_work, note_schedule
+
+
+def agent_slot_views(session: Session, agents: list[Agent]) -> list[AgentSlots]:
+    """Each agent's slots per type with the indices free now (not held by a lease)."""
+    held: dict[tuple[int, str], set[int]] = {}
+    for agent_id, slot_type, index in session.execute(
+        select(SlotLease.agent_id, SlotLease.slot_type, SlotLease.slot_index)
+    ):
+        held.setdefault((agent_id, slot_type), set()).add(index)
+    views = []
+    for agent in agents:
+        for slot_type, capacity in (("cpu", agent.cpu_slots), ("gpu", agent.gpu_slots)):
+            if capacity:
+                busy = held.get((agent.id, slot_type), set())
+                free = tuple(i for i in range(capacity) if i not in busy)
+                views.append(AgentSlots(agent.id, agent.name, slot_type, capacity, free))
+    return views
+
+
+def get_agent(session: Session, agent_id: int, *, lock: bool = False) -> Agent:
+    agent = session.get(Agent, agent_id, with_for_update=lock, populate_existing=lock)
+    if agent is None:
+        raise NotFound(f"agent {agent_id} is not registered; `phalanx agents list` shows them")
+    return agent
+
+
+def register_agent(session: Session, registration: AgentRegistration) -> Agent:
+    """Register, or re-register after a restart: the agent's old processes are gone, so are its
+    nodes (their attempts restart elsewhere). A drained agent stays DRAINING."""
+    agent = session.scalars(
+        select(Agent).where(Agent.name == registration.name).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    now = db_now(session)
+    if agent is None:
+        agent = Agent(name=registration.name, state=AgentState.ACTIVE.value)
+        session.add(agent)
+    else:
+        fail_nodes_on_agent(session, agent, "the agent restarted while the node ran")
+        if agent.state == AgentState.LOST.value:
+            transition_agent(session, agent, AgentState.ACTIVE)
+    agent.address = registration.address
+    agent.cpu_slots = registration.cpu_slots
+    agent.gpu_slots = registration.gpu_slots
+    agent.last_heartbeat = now
+    session.flush()
+    note_agent_work(session, [agent.id])
+    note_schedule(session)  # its slots are free
+    return agent
+
+
+def heartbeat(session: Session, agent_id: int) -> None:
+    """Stamp the agent's heartbeat with the database clock; a LOST agent must register again."""
+    result = session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id, Agent.state != AgentState.LOST.value)
+        .values(last_heartbeat=utcnow())
+        .returning(Agent.id)
+    ).scalar_one_or_none()
+    if result is None:
+        if session.get(Agent, agent_id) is None:
+            raise NotFound(f"agent {agent_id} is not registered; register it first")
+        raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
+
+
+def drain_agent(session: Session, agent: Agent) -> None:
+    """No new work for the agent (locked by the caller); the attempts it hosts checkpoint, stop,
+    and restart elsewhere. Draining a DRAINING agent changes nothing."""
+    if agent.state != AgentState.DRAINING.value:
+        transition_agent(session, agent, AgentState.DRAINING)
+    note_agent_work(session, [agent.id])
+    end_attempts_on_agent(session, agent, Failure("infra", f"preempted: agent {agent.name} is draining", graceful=True))
+
+
+def declare_lost(session: Session, heartbeat_timeout: float) -> list[Agent]:
+    """Agents whose last heartbeat is older than the timeout, by the database clock, become LOST
+    and their nodes' attempts restart elsewhere.
+
+    No agent can heartbeat while no server runs, so for one timeout after a server (re)start
+    nobody is declared lost: a control-plane restart must not restart every job."""
+    cutoff = db_now(session) - timedelta(seconds=heartbeat_timeout)
+    started = session.get(ControlPlane, SERVER_STARTED)
+    if started is not None and started.time > cutoff:
+        return []
+    lost = list(
+        session.scalars(
+            select(Agent)
+            .where(Agent.state != AgentState.LOST.value, Agent.last_heartbeat < cutoff)
+            .with_for_update(skip_locked=True)
+        )
+    )
+    for agent in lost:
+        transition_agent(session, agent, AgentState.LOST)
+        # Its own channel too: an agent that is alive after all learns at once that it was
+        # declared lost.
+        note_agent_work(session, [agent.id])
+        fail_nodes_on_agent(session, agent, f"agent {agent.name} lost: no heartbeat for over {heartbeat_timeout:g} s")
+    session.flush()
+    return lost

@@ -1,0 +1,294 @@
+"""An attempt's whole life: started by a placement, its nodes launched and exited, ended by a
+failure, a user, a lost agent or a drain, and then its job restarted within budget or failed.
+
+An attempt is an `Allocation` with one `AllocationNode` per node and one `SlotLease` per slot it
+holds. Every change to an attempt happens under `lock_attempt` (the job's row lock, taken before any
+row of the attempt is written), so two reports never deadlock and every decision reads the nodes as
+the previous holder committed them. States change only through `server.transitions`.
+
+Functions take the caller's session, flush, never commit. Their effects after the commit are
+noted in the session (`note_agent_work` for agents whose assignments changed, `note_schedule` when
+slots were freed) and carried out by `wakeups.publish_after_commit`.
+
+Policy is kept apart from action (`decide_restart` only decides; `end_attempt` acts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, selectinload
+
+from phalanx.schemas import JobSpec, JobState, NodeState
+from server import checkpoints
+from server.errors import Conflict, NotFound
+from server.models import Agent, Allocation, AllocationNode, Job, SlotLease
+from server.placement import Placement
+from server.transitions import db_now, transition, transition_node
+from server.wakeups import note_agent_work, note_schedule
+
+RUNNING_STATES = (JobState.RUNNING.value, JobState.SCHEDULED.value)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why an attempt ends early. `budget` says whose fault: the job's ("job") or the
+    infrastructure's ("infra"); `graceful` lets the workers checkpoint before they go."""
+
+    budget: str
+    reason: str
+    graceful: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    restart: bool
+    reason: str
+
+
+def decide_restart(job: Job, failure: Failure) -> Decision:
+    """Policy only: restart within the failure's budget, else fail. Pure: reads, never writes."""
+    spec = JobSpec.model_validate(job.spec)
+    if failure.budget == "infra":
+        used, limit, name = job.infra_restarts_used, spec.max_infra_restarts, "max_infra_restarts"
+    else:
+        used, limit, name = job.restarts_used, spec.max_restarts, "max_restarts"
+    if used < limit:
+        return Decision(True, f"restart {used + 1} of {limit} ({name}) after: {failure.reason}")
+    return Decision(False, f"{failure.reason} (no restarts left: {name} is {limit})")
+
+
+# --- reading and locking ---------------------------------------------------------------------------
+
+
+def lock_job(session: Session, job_id: int) -> Job:
+    """The job, re-read under its row lock (whatever this session had loaded before)."""
+    job = session.scalars(
+        select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist; `phalanx jobs list` shows the jobs you can see")
+    return job
+
+
+def lock_attempt(session: Session, allocation: Allocation) -> Job:
+    """Lock the allocation's job row, then re-read the allocation and its nodes."""
+    job = lock_job(session, allocation.job_id)
+    session.execute(
+        select(Allocation).where(Allocation.id == allocation.id).execution_options(populate_existing=True)
+    ).one()
+    session.execute(
+        select(AllocationNode)
+        .where(AllocationNode.allocation_id == allocation.id)
+        .execution_options(populate_existing=True)
+    ).all()
+    return job
+
+
+def active_allocation(session: Session, job_id: int) -> Allocation | None:
+    return session.scalars(
+        select(Allocation)
+        .where(Allocation.job_id == job_id, Allocation.active.is_(True))
+        .options(selectinload(Allocation.nodes))
+    ).one_or_none()
+
+
+def find_node(session: Session, agent_id: int, allocation_id: int, node_rank: int) -> tuple[Allocation, AllocationNode]:
+    """The node an agent reports on; 404 for an unknown one, 409 for another agent's."""
+    allocation = session.scalars(
+        select(Allocation).where(Allocation.id == allocation_id).options(selectinload(Allocation.nodes))
+    ).one_or_none()
+    if allocation is None:
+        raise NotFound(f"allocation {allocation_id} does not exist")
+    node = next((n for n in allocation.nodes if n.node_rank == node_rank), None)
+    if node is None:
+        raise NotFound(f"allocation {allocation_id} has no node rank {node_rank}")
+    if node.agent_id != agent_id:
+        raise Conflict(
+            f"node {node_rank} of allocation {allocation_id} belongs to agent {node.agent_id}, not to agent {agent_id}"
+        )
+    return allocation, node
+
+
+# --- start -----------------------------------------------------------------------------------------
+
+
+def start_attempt(session: Session, job: Job, placement: Placement, agents: Mapping[int, Agent]) -> None:
+    """A placed QUEUED job (locked by the caller) gets its next attempt: the allocation, its nodes
+    and their slot leases, resuming from the newest committed checkpoint; the job is SCHEDULED and
+    its agents are woken to launch it."""
+    job.attempts += 1
+    rank0 = agents[placement.nodes[0].agent_id]
+    resume = checkpoints.latest_checkpoint(session, job.id)
+    allocation = Allocation(
+        job_id=job.id,
+        attempt=job.attempts,
+        master_addr=rank0.address,
+        active=True,
+        resume_step=resume.step if resume else None,
+    )
+    session.add(allocation)
+    session.flush()
+    checkpoints.supersede_redone_steps(session, job.id, allocation.id, resume.step if resume else None)
+    for node in placement.nodes:
+        row = AllocationNode(
+            allocation_id=allocation.id,
+            node_rank=node.node_rank,
+            agent_id=node.agent_id,
+            slot_type=job.slot_type,
+            slot_indices=list(node.slot_indices),
+            state=NodeState.ASSIGNED.value,
+            desired="run",
+        )
+        session.add(row)
+        session.flush()
+        session.add_all(
+            SlotLease(agent_id=node.agent_id, slot_type=job.slot_type, slot_index=i, node_id=row.id)
+            for i in node.slot_indices
+        )
+    note_agent_work(session, (n.agent_id for n in placement.nodes))
+    names = ", ".join(agents[n.agent_id].name for n in placement.nodes)
+    start = f", resuming from the checkpoint of step {resume.step}" if resume else ""
+    transition(session, job, JobState.SCHEDULED, f"attempt {job.attempts} placed on {names}{start}")
+
+
+def record_node_started(session: Session, allocation: Allocation, node: AllocationNode) -> None:
+    job = lock_attempt(session, allocation)
+    if node.state != NodeState.ASSIGNED.value:
+        return  # idempotent: a retried report, or the node already exited
+    transition_node(session, node, NodeState.RUNNING, started_at=db_now(session))
+    if job.state == JobState.SCHEDULED.value and all(n.state != NodeState.ASSIGNED.value for n in allocation.nodes):
+        transition(session, job, JobState.RUNNING, "torchrun started on every node")
+    session.flush()
+
+
+# --- end -------------------------------------------------------------------------------------------
+
+
+def _release(session: Session, node: AllocationNode, exit_code: int | None, reason: str) -> None:
+    transition_node(session, node, NodeState.EXITED, exit_code=exit_code, reason=reason, ended_at=db_now(session))
+    session.execute(delete(SlotLease).where(SlotLease.node_id == node.id))
+    note_schedule(session)  # slots were freed
+
+
+def _stop_nodes(session: Session, allocation: Allocation, how: str) -> None:
+    """Ask every unexited node to stop ("stop": SIGTERM then SIGKILL; "kill": SIGKILL now)."""
+    for node in allocation.nodes:
+        if node.state != NodeState.EXITED.value and node.desired not in (how, "kill"):
+            node.desired = how
+            note_agent_work(session, [node.agent_id])
+
+
+def _end_allocation(session: Session, job: Job, allocation: Allocation) -> None:
+    """Once every node exited: close the allocation and settle what its failure costs."""
+    if not allocation.active or any(n.state != NodeState.EXITED.value for n in allocation.nodes):
+        return
+    allocation.active = False
+    allocation.fenced = True
+    allocation.ended_at = db_now(session)
+    if job.state == JobState.RESTARTING.value and allocation.end_reason is not None:
+        failure = Failure(allocation.end_budget or "job", allocation.end_reason)
+        decision = decide_restart(job, failure)
+        if not decision.restart:
+            transition(session, job, JobState.FAILED, decision.reason)
+            return
+        if failure.budget == "infra":
+            job.infra_restarts_used += 1
+        else:
+            job.restarts_used += 1
+        transition(session, job, JobState.QUEUED, decision.reason)
+        note_schedule(session)
+
+
+def end_attempt(session: Session, job: Job, allocation: Allocation, failure: Failure) -> None:
+    """Act on a failure: stop the gang now; the job restarts or fails once every node is gone.
+
+    The budget is charged only then, because the first exit is often collateral: when an agent
+    dies, the ranks of the other nodes fail on a reset connection seconds before the reaper can
+    declare that agent lost. A lost agent found while the attempt winds down makes the whole
+    attempt the infrastructure's failure."""
+    if JobState(job.state).is_terminal:
+        return
+    if allocation.end_reason is not None:
+        if failure.budget == "infra" and allocation.end_budget != "infra":
+            allocation.end_reason, allocation.end_budget = failure.reason, "infra"
+        return
+    allocation.end_reason, allocation.end_budget = failure.reason, failure.budget
+    if not failure.graceful:
+        allocation.fenced = True  # a zombie of this attempt may no longer write metrics or checkpoints
+    _stop_nodes(session, allocation, "stop" if failure.graceful else "kill")
+    if job.state in RUNNING_STATES:
+        transition(session, job, JobState.RESTARTING, f"attempt {allocation.attempt} is ending: {failure.reason}")
+    _end_allocation(session, job, allocation)
+
+
+def _node_failure(node: AllocationNode) -> Failure:
+    code = "unknown" if node.exit_code is None else str(node.exit_code)
+    detail = f": {node.reason}" if node.reason else ""
+    return Failure("job", f"node {node.node_rank} on agent {node.agent.name} exited with code {code}{detail}")
+
+
+def record_node_exit(
+    session: Session, allocation: Allocation, node: AllocationNode, exit_code: int | None, reason: str
+) -> None:
+    job = lock_attempt(session, allocation)
+    if node.state == NodeState.EXITED.value:
+        return  # idempotent: an agent retrying a report it already made
+    _release(session, node, exit_code, reason)
+    # An attempt that is already ending (failed, stopped by a user, or its job left the running
+    # states) expects its nodes to exit, with any code.
+    ending = allocation.end_reason is not None or job.state not in RUNNING_STATES
+    if not ending and exit_code != 0:
+        end_attempt(session, job, allocation, _node_failure(node))
+    elif not ending and all(n.state == NodeState.EXITED.value and n.exit_code == 0 for n in allocation.nodes):
+        transition(session, job, JobState.COMPLETED, "every rank exited with code 0")
+    _end_allocation(session, job, allocation)
+    session.flush()
+
+
+def stop_for_user(session: Session, job: Job, target: JobState, reason: str, *, fence: bool) -> None:
+    """A user (or a study's pruner) ends or pauses the job: `target` at once; its workers get
+    SIGTERM. `fence=False` keeps accepting the checkpoint they write on the way out."""
+    transition(session, job, target, reason)
+    allocation = active_allocation(session, job.id)
+    if allocation is None:
+        return
+    if allocation.end_reason is None:
+        allocation.end_reason = reason
+    allocation.fenced = allocation.fenced or fence
+    _stop_nodes(session, allocation, "stop")
+
+
+def end_attempts_on_agent(session: Session, agent: Agent, failure: Failure) -> None:
+    """The attempts with a node on `agent` end (a drain: gracefully; they restart elsewhere)."""
+    allocations = session.scalars(
+        select(Allocation)
+        .join(AllocationNode)
+        .where(AllocationNode.agent_id == agent.id, Allocation.active.is_(True))
+        .options(selectinload(Allocation.nodes))
+        .distinct()
+    ).all()
+    for allocation in allocations:
+        job = lock_attempt(session, allocation)
+        end_attempt(session, job, allocation, failure)
+
+
+def fail_nodes_on_agent(session: Session, agent: Agent, reason: str) -> None:
+    """An agent is gone (lost, or restarted and re-registered): its unexited nodes exited unknown,
+    and their attempts restart elsewhere on the infrastructure budget."""
+    nodes = session.scalars(
+        select(AllocationNode)
+        .where(AllocationNode.agent_id == agent.id, AllocationNode.state != NodeState.EXITED.value)
+        .options(selectinload(AllocationNode.allocation).selectinload(Allocation.nodes))
+    ).all()
+    for node in nodes:
+        allocation = node.allocation
+        job = lock_attempt(session, allocation)
+        if node.state == NodeState.EXITED.value:  # it reported its exit while we waited for the lock
+            continue
+        end_attempt(session, job, allocation, Failure("infra", reason))
+        _release(session, node, None, reason)
+        _end_allocation(session, job, allocation)
+    session.flush()
