@@ -2,7 +2,7 @@
 
 Contract: Optuna's tables live in the same database as Phalanx's (its RDBStorage, so that
 optuna-dashboard pointed at PHALANX_DATABASE_URL shows the same trials). They are created by
-`phalanx db upgrade` (`ensure_schema`), never by a worker: `storage()` only opens them, and
+`phalanx db upgrade` (`server.db.upgrade`), never by a worker: `storage()` only opens them, and
 raises `SchemaOutOfDate` when they are missing. Optuna commits in its own transactions, so a caller
 never holds a Phalanx write transaction while it calls Optuna (on SQLite that would deadlock).
 Samplers are built per ask with a seed derived from the spec's and the trial's number: a pass
@@ -19,44 +19,14 @@ from typing import Any
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.storages import RDBStorage
-from sqlalchemy import inspect
 
 from phalanx import schemas
-from server.db import SchemaOutOfDate, engine_for, sqlite_pragmas
+from server.db import check_optuna_schema, optuna_engine_kwargs, sqlite_pragmas
 
 log = logging.getLogger(__name__)
-OPTUNA_MARKER_TABLE = "version_info"  # Optuna's schema version; present once its tables exist
 # Optuna's names of the objects it keeps per trial; optuna-dashboard shows both.
 FAIL_REASON_ATTR = "fail_reason"
 JOB_ID_ATTR = "phalanx_job_id"
-
-
-def optuna_study_name(study_id: int, name: str) -> str:
-    return f"phalanx-{study_id}-{name}"
-
-
-def _engine_kwargs(url: str) -> dict[str, Any]:
-    if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": 30, "check_same_thread": False}}
-    return {"pool_pre_ping": True, "pool_size": 4, "max_overflow": 4}
-
-
-def ensure_schema(url: str) -> None:
-    """Create Optuna's tables (or bring them to this Optuna's version). Migration time only."""
-    storage = RDBStorage(url, engine_kwargs=_engine_kwargs(url), skip_compatibility_check=True)
-    try:
-        if storage.get_current_version() != storage.get_head_version():
-            storage.upgrade()
-    finally:
-        storage.engine.dispose()
-
-
-def check_schema(url: str) -> None:
-    if OPTUNA_MARKER_TABLE not in inspect(engine_for(url)).get_table_names():
-        raise SchemaOutOfDate(
-            "the database has no Optuna tables (hyperparameter studies keep their trials there). "
-            "Run `phalanx db upgrade` (with the same PHALANX_DATABASE_URL) and start again."
-        )
 
 
 _storages: dict[str, RDBStorage] = {}
@@ -67,8 +37,8 @@ def storage(url: str) -> RDBStorage:
     """This process's Optuna storage on `url` (thread-safe: Optuna scopes a session per thread)."""
     with _storages_lock:
         if url not in _storages:
-            check_schema(url)
-            rdb = RDBStorage(url, engine_kwargs=_engine_kwargs(url), skip_table_creation=True)
+            check_optuna_schema(url)
+            rdb = RDBStorage(url, engine_kwargs=optuna_engine_kwargs(url), skip_table_creation=True)
             if url.startswith("sqlite"):
                 # the same write-lock-first transactions as Phalanx's own engine, or two writers deadlock
                 sqlite_pragmas(rdb.engine)

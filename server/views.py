@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Collection, Sequence
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.attributes import instance_state
 
 from phalanx import schemas
 from server.models import (
@@ -20,6 +22,7 @@ from server.models import (
     SlotLease,
     TuningStudy,
     TuningTrial,
+    User,
 )
 
 # Loader options for a query whose rows `job_detail` converts: events, attempts, nodes and agents
@@ -31,30 +34,57 @@ JOB_DETAIL_LOADS = (
 
 
 def job(session: Session, row: Job, *, latest: bool = True) -> schemas.JobView:
-    metrics, step = latest_metrics(session, row.id) if latest else ({}, None)
-    trial = session.execute(
-        select(TuningTrial.study_id, TuningTrial.number).where(TuningTrial.job_id == row.id)
-    ).one_or_none()
-    return schemas.JobView(
-        id=row.id,
-        name=row.name,
-        state=schemas.JobState(row.state),
-        spec=schemas.JobSpec.model_validate(row.spec),
-        owner=row.owner.name,
-        priority=row.priority,
-        wait_reason=row.wait_reason,
-        failure_reason=row.failure_reason,
-        submitted_at=row.submitted_at,
-        started_at=row.started_at,
-        ended_at=row.ended_at,
-        attempts=row.attempts,
-        restarts_used=row.restarts_used,
-        infra_restarts_used=row.infra_restarts_used,
-        latest_metrics=metrics,
-        latest_step=step,
-        study_id=trial.study_id if trial else None,
-        trial_number=trial.number if trial else None,
-    )
+    return jobs(session, [row], latest=latest)[0]
+
+
+def jobs(session: Session, rows: Sequence[Job], *, latest: bool = True) -> list[schemas.JobView]:
+    """The rows as views, in their order, in at most three queries whatever their number: newest
+    metrics (`latest`), trials, and owners that the caller did not load."""
+    ids = [row.id for row in rows]
+    metrics = latest_metrics_by_job(session, ids) if latest and ids else {}
+    trials: dict[int, tuple[int, int]] = {}
+    if ids:
+        query = select(TuningTrial.job_id, TuningTrial.study_id, TuningTrial.number).where(TuningTrial.job_id.in_(ids))
+        trials = {job_id: (study_id, number) for job_id, study_id, number in session.execute(query)}
+    owners = owner_names(session, rows)
+    result = []
+    for row in rows:
+        values, step = metrics.get(row.id, ({}, None))
+        trial = trials.get(row.id)
+        result.append(
+            schemas.JobView(
+                id=row.id,
+                name=row.name,
+                state=schemas.JobState(row.state),
+                spec=schemas.JobSpec.model_validate(row.spec),
+                owner=owners[row.owner_id],
+                priority=row.priority,
+                wait_reason=row.wait_reason,
+                failure_reason=row.failure_reason,
+                submitted_at=row.submitted_at,
+                started_at=row.started_at,
+                ended_at=row.ended_at,
+                attempts=row.attempts,
+                restarts_used=row.restarts_used,
+                infra_restarts_used=row.infra_restarts_used,
+                latest_metrics=values,
+                latest_step=step,
+                study_id=trial[0] if trial else None,
+                trial_number=trial[1] if trial else None,
+            )
+        )
+    return result
+
+
+def owner_names(session: Session, rows: Sequence[Job | TuningStudy]) -> dict[int, str]:
+    """Owner id → name for the rows: from owners already loaded (`selectinload`), the rest in one query."""
+    names = {row.owner_id: row.owner.name for row in rows if "owner" not in instance_state(row).unloaded}
+    missing = {row.owner_id for row in rows} - names.keys()
+    if missing:
+        names.update(
+            {user_id: name for user_id, name in session.execute(select(User.id, User.name).where(User.id.in_(missing)))}
+        )
+    return names
 
 
 def job_detail(session: Session, row: Job) -> schemas.JobDetail:
@@ -99,30 +129,31 @@ def allocation(row: Allocation) -> schemas.AllocationView:
     )
 
 
-def latest_metrics(session: Session, job_id: int) -> tuple[dict[str, float], int | None]:
-    """The newest value of each metric name (any rank, newest attempt first), and the newest step."""
-    values: dict[str, float] = {}
-    step = None
+def latest_metrics_by_job(session: Session, job_ids: Collection[int]) -> dict[int, tuple[dict[str, float], int | None]]:
+    """`latest_metrics` of each job in one query; jobs that reported nothing are absent."""
+    result: dict[int, tuple[dict[str, float], int | None]] = {}
     rows = session.execute(
-        select(Allocation.latest_metrics, Allocation.latest_step)
-        .where(Allocation.job_id == job_id, Allocation.latest_metrics.is_not(None))
-        .order_by(Allocation.attempt)
+        select(Allocation.job_id, Allocation.latest_metrics, Allocation.latest_step)
+        .where(Allocation.job_id.in_(job_ids), Allocation.latest_metrics.is_not(None))
+        .order_by(Allocation.job_id, Allocation.attempt)
     )
-    for metrics, newest_step in rows:  # later attempts overwrite earlier ones (None: filtered out)
+    for job_id, metrics, newest_step in rows:  # later attempts overwrite earlier ones (None: filtered out)
+        values, _ = result.setdefault(job_id, ({}, None))
         values.update(metrics or {})
-        step = newest_step
-    return values, step
+        result[job_id] = (values, newest_step)
+    return result
 
 
-def agents(session: Session, rows: list[Agent]) -> list[schemas.AgentView]:
-    used: dict[tuple[int, str], int] = {
-        (agent_id, slot_type): count
-        for agent_id, slot_type, count in session.execute(
-            select(SlotLease.agent_id, SlotLease.slot_type, func.count()).group_by(
-                SlotLease.agent_id, SlotLease.slot_type
-            )
+def agents(session: Session, rows: Sequence[Agent]) -> list[schemas.AgentView]:
+    """The rows as views with their slots in use, in one query whatever their number."""
+    used: dict[tuple[int, str], int] = {}
+    if rows:
+        query = (
+            select(SlotLease.agent_id, SlotLease.slot_type, func.count())
+            .where(SlotLease.agent_id.in_({a.id for a in rows}))
+            .group_by(SlotLease.agent_id, SlotLease.slot_type)
         )
-    }
+        used = {(agent_id, slot_type): count for agent_id, slot_type, count in session.execute(query)}
     return [
         schemas.AgentView(
             id=a.id,
@@ -210,24 +241,47 @@ def _trial_views(spec: schemas.StudySpec, rows: list[tuple[TuningTrial, str]]) -
     return views
 
 
-def study_trials(session: Session, study_id: int) -> list[tuple[TuningTrial, str]]:
-    """The study's trials with their jobs' states, by number."""
+def trials_by_study(session: Session, study_ids: Collection[int]) -> dict[int, list[tuple[TuningTrial, str]]]:
+    """Each study's trials with their jobs' states, by number, in one query; studies without trials are absent."""
     rows = session.execute(
         select(TuningTrial, Job.state)
         .join(Job, Job.id == TuningTrial.job_id)
-        .where(TuningTrial.study_id == study_id)
-        .order_by(TuningTrial.number)
+        .where(TuningTrial.study_id.in_(study_ids))
+        .order_by(TuningTrial.study_id, TuningTrial.number)
     )
-    return [(trial, state) for trial, state in rows]
+    result: dict[int, list[tuple[TuningTrial, str]]] = defaultdict(list)
+    for trial, state in rows:
+        result[trial.study_id].append((trial, state))
+    return result
 
 
 def study(session: Session, row: TuningStudy) -> schemas.Study:
-    return schemas.Study.model_validate(study_detail(session, row).model_dump(exclude={"trials", "version"}))
+    return studies(session, [row])[0]
+
+
+def studies(session: Session, rows: Sequence[TuningStudy]) -> list[schemas.Study]:
+    """The rows as summaries (no trials), in two queries at most whatever their number."""
+    return [
+        schemas.Study.model_validate(detail.model_dump(exclude={"trials", "version"}))
+        for detail in study_details(session, rows)
+    ]
 
 
 def study_detail(session: Session, row: TuningStudy) -> schemas.StudyDetail:
+    return study_details(session, [row])[0]
+
+
+def study_details(session: Session, rows: Sequence[TuningStudy]) -> list[schemas.StudyDetail]:
+    """The rows with their trials, in their order: one query for every study's trials, one for the
+    owners the caller did not load."""
+    trials_of = trials_by_study(session, [row.id for row in rows]) if rows else {}
+    owners = owner_names(session, rows)
+    return [_study_detail(row, trials_of.get(row.id, []), owners[row.owner_id]) for row in rows]
+
+
+def _study_detail(row: TuningStudy, trial_rows: list[tuple[TuningTrial, str]], owner: str) -> schemas.StudyDetail:
     spec = schemas.StudySpec.model_validate(row.spec)
-    trials = _trial_views(spec, study_trials(session, row.id))
+    trials = _trial_views(spec, trial_rows)
     best = [t for t in trials if t.best]
     fingerprint = [row.state, row.reason, *((t.number, t.state, t.job_state, t.values, t.last_step) for t in trials)]
     return schemas.StudyDetail(
@@ -235,7 +289,7 @@ def study_detail(session: Session, row: TuningStudy) -> schemas.StudyDetail:
         name=row.name,
         state=schemas.StudyState(row.state),
         reason=row.reason,
-        owner=row.owner.name,
+        owner=owner,
         spec=spec,
         optuna_study_name=row.optuna_name,
         created_at=row.created_at,

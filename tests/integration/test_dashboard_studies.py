@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server import tuning
-from server.dashboard import study_pages
+from server.dashboard import study_charts
 from server.settings import Settings
 from tests.integration.test_dashboard import USER, sign_in
 from tests.integration.test_studies import create, driver, finish, report, start_trial, study_body, trials
@@ -59,7 +59,7 @@ def tuned(client: TestClient, settings: Settings) -> int:
     run_trial(client, settings, study_id, 3, {0: 0.7, 1: 0.35, 2: 0.12})
     shown = [(t["state"], t["values"]) for t in trials(client, study_id)]
     assert shown == [("COMPLETE", [0.2]), ("PRUNED", [4.0]), ("COMPLETE", [0.1]), ("COMPLETE", [0.12])]
-    study_pages._importance_cache.clear()
+    study_charts._importance_cache.clear()
     sign_in(client)
     return study_id
 
@@ -110,13 +110,13 @@ def test_importance_bars_and_their_notes(
     assert widths == sorted(widths, reverse=True) and widths[0] == 100.0  # the longest bar is the most important
     api = client.get(f"/api/v1/studies/{tuned}/importance", headers=USER).json()  # the same evaluator
     expected = api["importances"]
-    assert api["method"] == study_pages.IMPORTANCE_METHOD and set(expected) == set(SPACE)
+    assert api["method"] == study_charts.IMPORTANCE_METHOD and set(expected) == set(SPACE)
     assert html.unescape(bars[0][0]) == max(expected, key=expected.__getitem__)
 
     def broken(*_: Any) -> dict[str, float]:
         raise RuntimeError("no variance")
 
-    study_pages._importance_cache.clear()
+    study_charts._importance_cache.clear()
     monkeypatch.setattr(tuning, "importances", broken)
     failed = client.get(f"/studies/{tuned}")
     assert failed.status_code == 200 and 'class="row"' not in failed.text

@@ -1,0 +1,192 @@
+"""`server.views` on a real PostgreSQL: a list of rows costs the same number of statements
+whatever its length (no query per row), and the batched views say what the rows hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session, selectinload
+
+from phalanx.schemas import AgentState, JobSpec, JobState, StudySpec
+from server import lifecycle, studies, views
+from server.db import engine_for, session_factory, session_scope
+from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial, User
+
+pytestmark = pytest.mark.integration
+ROWS = 50
+
+
+@dataclass
+class Statements:
+    count: int = 0
+
+
+@contextmanager
+def counting(url: str) -> Iterator[Statements]:
+    """Counts the SQL statements sent on the engine while the block runs."""
+    seen = Statements()
+
+    def before_cursor_execute(*_: Any) -> None:
+        seen.count += 1
+
+    engine = engine_for(url)
+    event.listen(engine, "before_cursor_execute", before_cursor_execute)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", before_cursor_execute)
+
+
+def statements(url: str, load: Callable[[Session], Sequence[Any]], convert: Callable[[Session, Any], object]) -> int:
+    """Statements that `convert` sends for the rows that `load` reads (in a fresh session)."""
+    with session_factory(url)() as session, session.begin():
+        rows = load(session)
+        with counting(url) as seen:
+            convert(session, rows)
+    return seen.count
+
+
+@pytest.fixture
+def populated(clean_db: str) -> str:
+    """Two users; ROWS agents, ROWS jobs (attempts with metrics, the even ones restarted once, the
+    first ROWS // 2 holding a slot each) and ROWS studies of two trials (their jobs are jobs too)."""
+    spec = JobSpec.model_validate({"name": "j", "entrypoint": "python t.py", "resources": {"nodes": 1}})
+    study_spec = StudySpec.model_validate(
+        {
+            "name": "tune",
+            "objective": {"metric": "loss"},
+            "search_space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "n_trials": 4,
+            "trial": {"entrypoint": "python t.py"},
+        }
+    )
+    with session_scope(clean_db) as session:
+        owners = [User(name="alice"), User(name="bob")]
+        agents = [
+            Agent(name=f"a{i}", address="127.0.0.1", state=AgentState.ACTIVE.value, cpu_slots=2) for i in range(ROWS)
+        ]
+        session.add_all([*owners, *agents])
+        session.flush()
+        for i in range(ROWS):
+            job = lifecycle.create_job(session, spec, owners[i % 2].id, None, 0)
+            first = Allocation(
+                job_id=job.id,
+                attempt=1,
+                master_addr="127.0.0.1",
+                latest_metrics={"loss": 2.0, "acc": 0.5},
+                latest_step=10,
+            )
+            session.add(first)
+            if i % 2 == 0:
+                session.add(
+                    Allocation(
+                        job_id=job.id, attempt=2, master_addr="127.0.0.1", latest_metrics={"loss": 1.0}, latest_step=20
+                    )
+                )
+            if i < ROWS // 2:
+                session.flush()
+                node = AllocationNode(
+                    allocation_id=first.id,
+                    node_rank=0,
+                    agent_id=agents[i].id,
+                    slot_type="cpu",
+                    slot_indices=[0],
+                    state="RUNNING",
+                )
+                session.add(node)
+                session.flush()
+                session.add(SlotLease(agent_id=agents[i].id, slot_type="cpu", slot_index=0, node_id=node.id))
+        for i in range(ROWS):
+            study = studies.create_study(session, study_spec, owners[i % 2].id, None, 0)
+            for number in range(2):
+                studies.create_trial(session, study, number, 1000 * study.id + number, {"x": number / 2})
+    return clean_db
+
+
+def every_job(session: Session) -> list[Job]:
+    return list(session.scalars(select(Job).order_by(Job.id)))
+
+
+def test_listing_jobs_costs_the_same_statements_for_one_row_or_many(populated: str) -> None:
+    def first(n: int) -> Callable[[Session], list[Job]]:
+        return lambda session: every_job(session)[:n]
+
+    def first_with_owners(n: int) -> Callable[[Session], list[Job]]:
+        query = select(Job).options(selectinload(Job.owner)).order_by(Job.id).limit(n)  # as the list routes do
+        return lambda session: list(session.scalars(query))
+
+    for latest in (True, False):
+
+        def convert(session: Session, rows: list[Job], latest: bool = latest) -> object:
+            return views.jobs(session, rows, latest=latest)
+
+        assert statements(populated, first(1), convert) == statements(populated, first(3 * ROWS), convert)
+        assert statements(populated, first_with_owners(1), convert) == statements(
+            populated, first_with_owners(3 * ROWS), convert
+        )
+    # the routes' query loads the owners: the metrics and the trials are all that is left to read
+    assert statements(populated, first_with_owners(3 * ROWS), views.jobs) == 2
+    assert statements(populated, first(0), views.jobs) == 0
+
+
+def test_batched_job_views_match_each_row(populated: str) -> None:
+    with session_factory(populated)() as session, session.begin():
+        rows = every_job(session)
+        listed = views.jobs(session, rows)
+        assert listed == [views.job(session, row) for row in rows]
+        assert views.jobs(session, rows, latest=False) == [views.job(session, row, latest=False) for row in rows]
+        trial_jobs = {
+            job_id: (study_id, number)
+            for study_id, number, job_id in session.execute(
+                select(TuningTrial.study_id, TuningTrial.number, TuningTrial.job_id)
+            )
+        }
+    assert [view.id for view in listed] == [row.id for row in rows]
+    for i, view in enumerate(listed[:ROWS]):  # the plain jobs: the newest attempt's values win
+        assert view.owner == ("alice", "bob")[i % 2]
+        assert view.state is JobState.QUEUED
+        if i % 2 == 0:
+            assert (view.latest_metrics, view.latest_step) == ({"loss": 1.0, "acc": 0.5}, 20)
+        else:
+            assert (view.latest_metrics, view.latest_step) == ({"loss": 2.0, "acc": 0.5}, 10)
+        assert (view.study_id, view.trial_number) == (None, None)
+    for view in listed[ROWS:]:  # the trials' jobs
+        assert (view.latest_metrics, view.latest_step) == ({}, None)
+        assert (view.study_id, view.trial_number) == trial_jobs[view.id]
+    assert len(trial_jobs) == 2 * ROWS
+
+
+def every_study(session: Session) -> list[TuningStudy]:
+    return list(session.scalars(select(TuningStudy).order_by(TuningStudy.id)))
+
+
+def test_listing_studies_costs_the_same_statements_for_one_row_or_many(populated: str) -> None:
+    for convert in (views.studies, views.study_details):
+        assert statements(populated, lambda s: every_study(s)[:1], convert) == statements(
+            populated, every_study, convert
+        )
+    with_owners = select(TuningStudy).options(selectinload(TuningStudy.owner))
+    assert statements(populated, lambda s: list(s.scalars(with_owners)), views.studies) == 1  # the trials
+    with session_factory(populated)() as session, session.begin():
+        rows = every_study(session)
+        listed = views.studies(session, rows)
+        assert listed == [views.study(session, row) for row in rows]
+        assert views.study_details(session, rows) == [views.study_detail(session, row) for row in rows]
+    assert [s.owner for s in listed] == [("alice", "bob")[i % 2] for i in range(ROWS)]
+    assert all(s.trial_counts == {"RUNNING": 2} for s in listed)
+
+
+def test_listing_agents_costs_the_same_statements_for_one_row_or_many(populated: str) -> None:
+    def every_agent(session: Session) -> list[Agent]:
+        return list(session.scalars(select(Agent).order_by(Agent.id)))
+
+    assert statements(populated, lambda s: every_agent(s)[:1], views.agents) == 1
+    assert statements(populated, every_agent, views.agents) == 1
+    with session_factory(populated)() as session, session.begin():
+        listed = views.agents(session, every_agent(session))
+    assert [a.used_cpu_slots for a in listed] == [1] * (ROWS // 2) + [0] * (ROWS - ROWS // 2)
