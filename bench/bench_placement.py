@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 try:
-    from scheduler.placement import AgentSlots, PendingJob, place
+    from server.placement import AgentSlots, PendingJob, place
 except ModuleNotFoundError:  # run as a script from a checkout where the project is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from scheduler.placement import AgentSlots, PendingJob, place
+    from server.placement import AgentSlots, PendingJob, place
 
 GOAL_S = 0.5
 SLOTS_PER_AGENT = 8

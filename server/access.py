@@ -21,12 +21,12 @@ from server.models import Job, TuningStudy
 from server.studies import get_study
 
 
-def visible_jobs(principal: Principal) -> Select[tuple[Job]]:
+def visible_jobs(principal: Principal) -> Select[Job]:
     query = select(Job).options(selectinload(Job.owner))
     return query if principal.is_admin else query.where(Job.owner_id == principal.user_id)
 
 
-def visible_studies(principal: Principal) -> Select[tuple[TuningStudy]]:
+def visible_studies(principal: Principal) -> Select[TuningStudy]:
     query = select(TuningStudy).options(selectinload(TuningStudy.owner))
     return query if principal.is_admin else query.where(TuningStudy.owner_id == principal.user_id)
 

@@ -17,12 +17,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, agents, checkpoints, jobs, studies, views
+from server import access, agents, jobs, studies, views
 from server.auth import Principal
 from server.bundles import store_bundle
 from server.errors import NotFound
 from server.models import Checkpoint
 from server.settings import Settings
+from server.transitions import COMMITTED
 
 
 def _owner(principal: Principal) -> int:
@@ -68,7 +69,7 @@ def committed_checkpoint_path(session: Session, principal: Principal, job_id: in
         access.job_for(session, principal, job_id)
         path = session.scalars(
             select(Checkpoint.path).where(
-                Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.state == checkpoints.COMMITTED
+                Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.state == COMMITTED
             )
         ).first()
     if path is None:

@@ -94,14 +94,14 @@ def _compare_and_set(session: Session, row: _Stateful, expected: str, values: di
 
     The ORM object is updated as if loaded (no second UPDATE at flush); on a lost race its state
     is re-read, so the caller's error names the state that won."""
-    model = type(row)
-    result = session.execute(
+    model: Any = type(row)
+    result: Any = session.execute(
         update(model)
-        .where(model.id == row.id, model.state == expected)  # type: ignore[attr-defined]
+        .where(model.id == row.id, model.state == expected)
         .values(**values)
         .execution_options(synchronize_session=False)
     )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if result.rowcount != 1:
         session.refresh(row, ["state"])
         return False
     for key, value in values.items():

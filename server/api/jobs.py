@@ -48,7 +48,7 @@ def list_jobs(
     if state is not None:
         query = query.where(Job.state == state.value)
     with session.begin():
-        return [views.job(session, row) for row in session.scalars(query)]
+        return views.jobs(session, list(session.scalars(query)))
 
 
 def _load_job_detail(session: Session, user: Principal, job_id: int) -> schemas.JobDetail:

@@ -6,12 +6,13 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.api.deps import get_services, get_sessions
 from server.models import Agent, Job
 
 router = APIRouter(include_in_schema=False)
@@ -38,7 +39,7 @@ class StateCollector(Collector):
 @router.get("/healthz")
 def healthz(request: Request) -> JSONResponse:
     try:
-        with request.app.state.sessions() as session:
+        with get_sessions(request)() as session:
             session.execute(text("SELECT 1"))
     except Exception as exc:  # the health check reports, never raises
         return JSONResponse({"status": "unhealthy", "database": str(exc)[:200]}, 503)
@@ -47,10 +48,10 @@ def healthz(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 def prometheus(request: Request) -> Response:
-    registry: CollectorRegistry = request.app.state.prometheus
+    registry = get_services(request).prometheus
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/", response_class=HTMLResponse)
 def index(request: Request) -> HTMLResponse:
-    return request.app.state.templates.TemplateResponse(request, "index.html", {"title": "Phalanx"})  # type: ignore[no-any-return]
+    return get_services(request).templates.TemplateResponse(request, "index.html", {"title": "Phalanx"})

@@ -46,7 +46,7 @@ def list_studies(
     if state is not None:
         query = query.where(TuningStudy.state == state.value)
     with session.begin():
-        return [views.study(session, row) for row in session.scalars(query)]
+        return views.studies(session, list(session.scalars(query)))
 
 
 def _detail(session: Session, user: Principal, study_id: int) -> schemas.StudyDetail:

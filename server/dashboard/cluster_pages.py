@@ -10,13 +10,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import lifecycle, views
+from server import access, commands, views
 from server.api.deps import SessionDep
 from server.auth import Principal
-from server.dashboard.job_pages import jobs_version, visible_jobs
-from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
+from server.dashboard.job_pages import jobs_version
+from server.dashboard.render import CsrfChecked, SignedIn, render
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, utcnow
-from server.wakeups import agent_channel
 
 router = APIRouter(include_in_schema=False)
 RECENT_FAILURES = 5
@@ -36,18 +35,26 @@ def overview_page(request: Request, session: SessionDep, user: SignedIn) -> Resp
                 slots["used"] += used
                 slots["free"] += total - used if agent.state is schemas.AgentState.ACTIVE else 0
         counts = {state: n for state, n in session.execute(count_by_state(user))}
-        running = [
-            views.job(session, row)
-            for row in session.scalars(
-                visible_jobs(user).where(Job.state == "RUNNING").order_by(Job.id.desc()).limit(20)
-            )
-        ]
-        failures = [
-            views.job(session, row, latest=False)
-            for row in session.scalars(
-                visible_jobs(user).where(Job.state == "FAILED").order_by(Job.ended_at.desc()).limit(RECENT_FAILURES)
-            )
-        ]
+        running = views.jobs(
+            session,
+            list(
+                session.scalars(
+                    access.visible_jobs(user).where(Job.state == "RUNNING").order_by(Job.id.desc()).limit(20)
+                )
+            ),
+        )
+        failures = views.jobs(
+            session,
+            list(
+                session.scalars(
+                    access.visible_jobs(user)
+                    .where(Job.state == "FAILED")
+                    .order_by(Job.ended_at.desc())
+                    .limit(RECENT_FAILURES)
+                )
+            ),
+            latest=False,
+        )
         version = jobs_version(session)
     return render(
         request,
@@ -108,11 +115,6 @@ def slot_holders(session: Session) -> dict[tuple[int, str, int], tuple[int, str,
 
 
 @router.post("/agents/{agent_id}/drain", response_model=None)
-def drain_agent(agent_id: int, request: Request, session: SessionDep, _: SignedIn, __: CsrfChecked) -> Response:
-    with session.begin():
-        agent = session.get(Agent, agent_id, with_for_update=True)
-        if agent is None:
-            raise PageNotFound(f"There is no agent {agent_id}.")
-        woken = lifecycle.drain_agent(session, agent) | {agent.id}
-    request.app.state.publisher.publish(agent_channel(a) for a in woken)
+def drain_agent(agent_id: int, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
+    commands.drain_agent(session, user, agent_id)
     return RedirectResponse("/agents", status_code=303)

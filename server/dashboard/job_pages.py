@@ -11,33 +11,20 @@ import yaml
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import checkpoints, lifecycle, views
+from server import access, checkpoints, commands, views
 from server.api.deps import SessionDep
 from server.auth import Principal
 from server.dashboard import metric_series
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
 from server.errors import Conflict
-from server.models import Checkpoint, Job, JobEvent, LogLine
-from server.wakeups import agent_channel
+from server.models import Job, JobEvent, LogLine
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
 LOG_TAIL = 200  # lines on a job's page; the logs page shows more
-
-
-def visible_jobs(user: Principal) -> Any:
-    query = select(Job).options(selectinload(Job.owner))
-    return query if user.is_admin else query.where(Job.owner_id == user.user_id)
-
-
-def visible_job(session: Session, user: Principal, job_id: int) -> Job:
-    job: Job | None = session.scalars(visible_jobs(user).where(Job.id == job_id)).one_or_none()
-    if job is None:
-        raise PageNotFound(f"There is no job {job_id} that you can see.")
-    return job
 
 
 def jobs_version(session: Session) -> str:
@@ -57,13 +44,13 @@ def jobs_page(
     page: Annotated[int, Query(ge=1)] = 1,
 ) -> Response:
     chosen = state if state in schemas.JobState.__members__ else ""
-    query = visible_jobs(user).order_by(Job.id.desc()).limit(PAGE_SIZE + 1).offset((page - 1) * PAGE_SIZE)
+    query = access.visible_jobs(user).order_by(Job.id.desc()).limit(PAGE_SIZE + 1).offset((page - 1) * PAGE_SIZE)
     if chosen:
         query = query.where(Job.state == chosen)
     if q:
         query = query.where(Job.name.contains(q, autoescape=True))
     with session.begin():
-        rows = [views.job(session, row) for row in session.scalars(query)]
+        rows = views.jobs(session, list(session.scalars(query)))
         version = jobs_version(session)
     return render(
         request,
@@ -87,9 +74,8 @@ def _job_page(
     job_id: int, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
 ) -> Response:
     with session.begin():
-        row = session.scalars(visible_jobs(user).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one_or_none()
-        if row is None:
-            raise PageNotFound(f"There is no job {job_id} that you can see.")
+        access.job_for(session, user, job_id)
+        row = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
         job = views.job_detail(session, row)
         saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
         log_cursor = session.execute(select(func.max(LogLine.id)).where(LogLine.job_id == job_id)).scalar_one() or 0
@@ -121,7 +107,7 @@ def chart_data(
     is where the page's live stream (`/jobs/{id}/events?metrics_after=`) carries on."""
     started = time.perf_counter()
     with session.begin():
-        visible_job(session, user, job_id)
+        access.job_for(session, user, job_id)
         series, cursor = metric_series.load_series(session, job_id, points)
     body = orjson.dumps({"cursor": cursor, "series": [s.as_json() for s in series]})
     # Server-Timing: the browser's devtools (and the benchmark) see the server's share of a load
@@ -141,22 +127,15 @@ def job_action(
     on the job's page."""
     if action not in JOB_ACTIONS:
         raise PageNotFound(f"There is no job action {action!r}; the buttons are {', '.join(JOB_ACTIONS)}.")
-    woken: set[int] = set()
     try:
-        with session.begin():
-            visible_job(session, user, job_id)
-            job = lifecycle.get_job(session, job_id, lock=True)
-            if action == "kill":
-                woken = lifecycle.kill_job(session, job)
-            elif action == "pause":
-                woken = lifecycle.pause_job(session, job)
-            else:
-                lifecycle.resume_job(session, job)
+        if action == "kill":
+            commands.kill_job(session, user, job_id)
+        elif action == "pause":
+            commands.pause_job(session, user, job_id)
+        else:
+            commands.resume_job(session, user, job_id)
     except Conflict as exc:
         return _job_page(job_id, request, session, user, error=exc.message, status=409)
-    request.app.state.publisher.publish(agent_channel(a) for a in woken)
-    if action == "resume":
-        request.app.state.kick_scheduler()
     return RedirectResponse(f"/jobs/{job_id}", status_code=303)
 
 
@@ -178,7 +157,7 @@ def logs_page(
     """The newest `limit` lines, every rank interleaved or one rank's."""
     chosen = int(rank) if rank.isdigit() else None
     with session.begin():
-        job = visible_job(session, user, job_id)
+        job = access.job_for(session, user, job_id)
         lines = [views.log_record(row) for row in reversed(list(session.scalars(_log_query(job_id, chosen, limit))))]
         ranks, name = list(range(job.nodes * job.slots_per_node)), job.name
         terminal = schemas.JobState(job.state).is_terminal
@@ -199,15 +178,6 @@ def logs_page(
 @router.get("/jobs/{job_id}/checkpoints/{step}/archive", response_model=None)
 def checkpoint_archive(job_id: int, step: int, session: SessionDep, user: SignedIn) -> Response:
     """A checkpoint's files as .tar.gz, for the download links of a job's page."""
-    with session.begin():
-        visible_job(session, user, job_id)
-        row = session.scalars(
-            select(Checkpoint).where(
-                Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.state == checkpoints.COMMITTED
-            )
-        ).first()
-        if row is None:
-            raise PageNotFound(f"Job {job_id} has no checkpoint of step {step} that you can see.")
-        path = row.path
+    path = commands.committed_checkpoint_path(session, user, job_id, step)
     headers = {"Content-Disposition": f'attachment; filename="job-{job_id}-step-{step}.tar.gz"'}
     return StreamingResponse(checkpoints.archive(path), media_type="application/gzip", headers=headers)

@@ -31,13 +31,14 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import checkpoints, views
+from server import access, views
+from server.api.deps import get_sessions, get_waiter
 from server.auth import Principal
-from server.dashboard.job_pages import jobs_version, visible_job
+from server.dashboard.job_pages import jobs_version
 from server.dashboard.metric_series import points_after
 from server.dashboard.render import SignedIn
-from server.dashboard.study_pages import visible_study
 from server.models import Checkpoint, Job, JobEvent, LogLine
+from server.transitions import COMMITTED
 from server.wakeups import JOBS_CHANNEL, Waiter, job_channel, job_data_channel, study_channel
 
 router = APIRouter(include_in_schema=False)
@@ -66,7 +67,7 @@ async def _changes(
     """`changed` whenever `version()` (read in a worker thread) differs from the last one seen,
     starting from `since`, the version the page was rendered at (so a change between the render
     and the stream's start is not missed)."""
-    waiter: Waiter = request.app.state.waiter
+    waiter = get_waiter(request)
     seen = since
     async with waiter.listen(*channels) as event:
         while True:
@@ -80,8 +81,7 @@ async def _changes(
 
 
 def _sessions(request: Request) -> Callable[[], Session]:
-    factory: Callable[[], Session] = request.app.state.sessions
-    return factory
+    return get_sessions(request)
 
 
 def _stream(generator: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
@@ -104,7 +104,7 @@ def _read_job(sessions: Callable[[], Session], job_id: int, metrics_after: int, 
         state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
         events = session.execute(select(func.count()).where(JobEvent.job_id == job_id)).scalar_one()
         saved = session.execute(
-            select(func.count()).where(Checkpoint.job_id == job_id, Checkpoint.state == checkpoints.COMMITTED)
+            select(func.count()).where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED)
         ).scalar_one()
         new = points_after(session, job_id, metrics_after) if metrics_after >= 0 else None
         logs = []
@@ -131,7 +131,7 @@ async def job_events(
 ) -> EventSourceResponse:
     sessions = _sessions(request)
     await run_in_threadpool(_check_visible_job, sessions, user, job_id)
-    waiter: Waiter = request.app.state.waiter
+    waiter = get_waiter(request)
 
     async def stream() -> AsyncIterator[ServerSentEvent]:
         metrics_cursor, logs_cursor = metrics_after, logs_after
@@ -163,7 +163,7 @@ async def job_events(
 
 def _check_visible_job(sessions: Callable[[], Session], user: Principal, job_id: int) -> None:
     with sessions() as session, session.begin():
-        visible_job(session, user, job_id)
+        access.job_for(session, user, job_id)
 
 
 @router.get("/events/jobs", response_model=None)
@@ -190,7 +190,7 @@ async def study_events(
 
     def version() -> str:
         with sessions() as session, session.begin():
-            return views.study_detail(session, visible_study(session, user, study_id)).version
+            return views.study_detail(session, access.study_for(session, user, study_id)).version
 
     await run_in_threadpool(version)  # 404 before the stream starts
     return _stream(_changes(request, (study_channel(study_id),), version, since))

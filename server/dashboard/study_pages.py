@@ -8,13 +8,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
 
 from phalanx import schemas
-from server import studies, views
+from server import access, commands, views
 from server.api.deps import SessionDep, SettingsDep
-from server.auth import Principal
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
 from server.dashboard.study_charts import (
     IMPORTANCE_METHOD,
@@ -26,7 +23,6 @@ from server.dashboard.study_charts import (
 )
 from server.errors import Conflict
 from server.models import TuningStudy
-from server.wakeups import agent_channel
 
 if TYPE_CHECKING:
     import optuna
@@ -34,23 +30,11 @@ if TYPE_CHECKING:
 router = APIRouter(include_in_schema=False)
 
 
-def visible_studies(user: Principal) -> Any:
-    query = select(TuningStudy).options(selectinload(TuningStudy.owner))
-    return query if user.is_admin else query.where(TuningStudy.owner_id == user.user_id)
-
-
-def visible_study(session: Session, user: Principal, study_id: int) -> TuningStudy:
-    study: TuningStudy | None = session.scalars(visible_studies(user).where(TuningStudy.id == study_id)).one_or_none()
-    if study is None:
-        raise PageNotFound(f"There is no study {study_id} that you can see.")
-    return study
-
-
 @router.get("/studies", response_model=None)
 def studies_page(request: Request, session: SessionDep, user: SignedIn) -> Response:
     with session.begin():
-        query = visible_studies(user).order_by(TuningStudy.id.desc())
-        rows = [views.study(session, row) for row in session.scalars(query)]
+        query = access.visible_studies(user).order_by(TuningStudy.id.desc())
+        rows = views.studies(session, list(session.scalars(query)))
     return render(request, "studies.html", studies=rows)
 
 
@@ -100,7 +84,7 @@ def study_page(
     fragment: Annotated[bool, Query(description="Only the part that live updates replace")] = False,
 ) -> Response:
     with session.begin():
-        study = views.study_detail(session, visible_study(session, user, study_id))
+        study = views.study_detail(session, access.study_for(session, user, study_id))
     # Optuna reads in its own transactions, after ours; a multi-objective study has neither
     # intermediate values (Optuna prunes on one objective) nor importances
     optuna_study = None if study.spec.multi_objective else load_optuna(settings.database_url, study)
@@ -133,19 +117,11 @@ def study_action(
     """The stop and resume buttons."""
     if action not in ("stop", "resume"):
         raise PageNotFound(f"There is no study action {action!r}.")
-    woken: set[int] = set()
     try:
-        with session.begin():
-            visible_study(session, user, study_id)
-            row = studies.get_study(session, study_id, lock=True)
-            if action == "stop":
-                woken = studies.stop_study(session, row)
-            else:
-                studies.resume_study(session, row)
+        if action == "stop":
+            commands.stop_study(session, user, study_id)
+        else:
+            commands.resume_study(session, user, study_id)
     except Conflict:
         pass  # it changed meanwhile: its page says how
-    request.app.state.publisher.publish(agent_channel(a) for a in woken)
-    if action == "resume":
-        request.app.state.kick_scheduler()
-        request.app.state.drive_study(study_id)
     return RedirectResponse(f"/studies/{study_id}", status_code=303)

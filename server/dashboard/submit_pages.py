@@ -1,6 +1,6 @@
 """The submit page: upload a job or study file (and its code); mistakes shown beside the field they name.
 
-A submission takes the REST API's own path (`parse_spec`, then `accept_job` / `accept_study`): the
+A submission takes the REST API's own path (`parse_spec`, then `commands.submit_job` / `submit_study`): the
 same validation, the same refusal of what no agent could ever host, the same wake-ups after commit.
 What this module adds is the form's side: reading YAML (pasted or uploaded), telling a study file
 from a job file, repacking a .zip of the code as the .tar.gz the API stores, and pointing each
@@ -25,9 +25,8 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic_core import ErrorDetails
 
 from phalanx import schemas
-from server.api.deps import SessionDep, SettingsDep
-from server.api.jobs import accept_job
-from server.api.studies import accept_study
+from server import commands
+from server.api.deps import SessionDep, SettingsDep, get_settings
 from server.api.uploads import InvalidSpec, parse_spec, refuse_oversized
 from server.dashboard.render import CsrfChecked, SignedIn, render
 from server.errors import PhalanxError, Unprocessable
@@ -76,7 +75,7 @@ def submit_page(request: Request, _: SignedIn) -> Response:
 
 
 def form_page(request: Request, status: int, **context: Any) -> Response:
-    cap = request.app.state.settings.max_bundle_bytes >> 20
+    cap = get_settings(request).max_bundle_bytes >> 20
     return render(request, "submit.html", status, title="Submit", max_bundle_mib=cap, **context)
 
 
@@ -101,10 +100,11 @@ def submit(
             if kind == "study":
                 study_spec = parse_spec(schemas.StudySpec, data, "study file")
                 code = code_bundle(bundle, settings, scratch)
-                study = accept_study(request, session, settings, user, study_spec, code)
+                study = commands.submit_study(session, settings, user, study_spec, code.file if code else None)
                 return RedirectResponse(f"/studies/{study.id}", status_code=303)
             job_spec = parse_spec(schemas.JobSpec, data, "job file")
-            job = accept_job(request, session, settings, user, job_spec, code_bundle(bundle, settings, scratch))
+            code = code_bundle(bundle, settings, scratch)
+            job = commands.submit_job(session, settings, user, job_spec, code.file if code else None)
             return RedirectResponse(f"/jobs/{job.id}", status_code=303)
     except FormRefused as exc:
         listing, status = annotate(text, [exc.problem]), 422

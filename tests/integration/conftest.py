@@ -18,7 +18,7 @@ AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 @pytest.fixture
 def client(settings: Settings) -> Iterator[TestClient]:
     """Modules with a `client` of their own (other agents, an enqueue recorder) override it."""
-    with TestClient(create_app(settings, enqueue=lambda *_: None), follow_redirects=False) as test_client:
+    with TestClient(create_app(settings, enqueue=lambda *_, **__: None), follow_redirects=False) as test_client:
         body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
         assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
         yield test_client

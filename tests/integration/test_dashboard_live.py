@@ -96,7 +96,9 @@ class LiveServer:
     def __init__(self, settings: Settings) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(settings, enqueue=lambda *_: None), port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            create_app(settings, enqueue=lambda *_, **__: None), port=self.port, log_level="warning"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -39,7 +39,8 @@ def run_trial(client: TestClient, settings: Settings, study_id: int, number: int
     trial = trials(client, study_id)[number]
     allocation, agent = start_trial(client, settings, trial["job_id"])
     report(client, allocation, {step: {"loss": loss} for step, loss in points.items()})
-    pruned = bool(driver(settings).advance(study_id).woken)
+    driver(settings).advance(study_id)
+    pruned = client.get(f"/api/v1/jobs/{trial['job_id']}", headers=USER).json()["state"] == "PRUNED"
     finish(client, allocation, agent, exit_code=143 if pruned else 0)
     driver(settings).advance(study_id)  # tells Optuna, launches the next trial
 

@@ -52,7 +52,7 @@ def enqueued() -> list[tuple[Any, ...]]:
 
 @pytest.fixture
 def client(settings: Settings, enqueued: list[tuple[Any, ...]]) -> Iterator[TestClient]:
-    app = create_app(settings, enqueue=lambda *task: enqueued.append(task))
+    app = create_app(settings, enqueue=lambda *task, **_: enqueued.append(task))
     with TestClient(app, follow_redirects=False) as test_client:
         body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
         assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200

@@ -27,7 +27,7 @@ AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 
 @pytest.fixture
 def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, enqueue=lambda *_: None)) as test_client:
+    with TestClient(create_app(settings, enqueue=lambda *_, **__: None)) as test_client:
         yield test_client
 
 
@@ -253,7 +253,7 @@ def test_nodes_reporting_at_the_same_moment_each_see_the_other(client: TestClien
     then re-reads the nodes, so the second one sees the first one's change."""
     import threading
 
-    from server import lifecycle
+    from server import attempts
 
     job_id = setup_job(client, settings, agents=2)
     allocation = job(client, job_id)["allocations"][0]
@@ -265,12 +265,12 @@ def test_nodes_reporting_at_the_same_moment_each_see_the_other(client: TestClien
         def report(node: dict[str, Any]) -> None:
             try:
                 with session_scope(settings.database_url) as session:
-                    found, row = lifecycle.find_node(session, node["agent_id"], allocation["id"], node["node_rank"])
+                    found, row = attempts.find_node(session, node["agent_id"], allocation["id"], node["node_rank"])
                     barrier.wait(10)
                     if action == "start":
-                        lifecycle.record_node_started(session, found, row)
+                        attempts.record_node_started(session, found, row)
                     else:
-                        lifecycle.record_node_exit(session, found, row, 0, "")
+                        attempts.record_node_exit(session, found, row, 0, "")
             except BaseException as exc:  # surfaced below
                 errors.append(exc)
 

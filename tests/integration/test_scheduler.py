@@ -96,7 +96,7 @@ def test_a_pass_waits_for_the_pass_in_progress(settings: Settings) -> None:
 
     from scheduler.service import schedule_pass
 
-    with TestClient(create_app(settings, enqueue=lambda *_: None)) as client:
+    with TestClient(create_app(settings, enqueue=lambda *_, **__: None)) as client:
         for i in range(2):
             body = {"name": f"n{i}", "address": "127.0.0.1", "cpu_slots": 1}
             assert client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200

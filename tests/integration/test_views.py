@@ -13,7 +13,7 @@ from sqlalchemy import event, select
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx.schemas import AgentState, JobSpec, JobState, StudySpec
-from server import lifecycle, studies, views
+from server import jobs, studies, views
 from server.db import engine_for, session_factory, session_scope
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial, User
 
@@ -73,7 +73,7 @@ def populated(clean_db: str) -> str:
         session.add_all([*owners, *agents])
         session.flush()
         for i in range(ROWS):
-            job = lifecycle.create_job(session, spec, owners[i % 2].id, None, 0)
+            job = jobs.create_job(session, spec, owners[i % 2].id, None, 0)
             first = Allocation(
                 job_id=job.id,
                 attempt=1,

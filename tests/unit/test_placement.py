@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.placement import (
+from server.placement import (
     AgentSlots,
     NodePlacement,
     PendingJob,
