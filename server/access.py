@@ -33,7 +33,8 @@ def visible_studies(principal: Principal) -> Select[TuningStudy]:
 
 def _no_job(job_id: int) -> NotFound:
     return NotFound(
-        f"there is no job {job_id} that you can see: it does not exist or is not yours; `phalanx jobs list`"
+        f"There is no job {job_id} that you can see: it does not exist or is not yours "
+        "(`phalanx jobs list` lists yours)."
     )
 
 
@@ -50,7 +51,8 @@ def study_for(session: Session, principal: Principal, study_id: int, *, lock: bo
     study = session.get(TuningStudy, study_id)
     if study is None or not (principal.is_admin or study.owner_id == principal.user_id):
         raise NotFound(
-            f"there is no study {study_id} that you can see: it does not exist or is not yours; `phalanx studies list`"
+            f"There is no study {study_id} that you can see: it does not exist or is not yours "
+            "(`phalanx studies list` lists yours)."
         )
     return get_study(session, study_id, lock=True) if lock else study
 

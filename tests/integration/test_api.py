@@ -297,7 +297,7 @@ def test_job_long_poll_answers_when_the_state_changes(client: TestClient, settin
 
     with ThreadPoolExecutor(1) as pool:
         watcher = pool.submit(client.get, url, params={"state": "QUEUED", "wait": 30}, headers=USER)
-        waiter = client.app.state.waiter  # type: ignore[attr-defined]
+        waiter = client.app.state.services.waiter  # type: ignore[attr-defined]
         deadline = time.monotonic() + 10
         while not waiter.listeners(f"job:{job_id}") and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -122,8 +122,8 @@ def test_the_driver_launches_up_to_parallelism_and_is_idempotent(
 ) -> None:
     study = create(client, study_body()).json()
     assert study["state"] == "RUNNING" and ("phalanx.advance_study", (study["id"],)) in enqueued
-    assert driver(settings).advance(study["id"]).launched == 2
-    assert driver(settings).advance(study["id"]).launched == 0  # a second pass changes nothing
+    assert driver(settings).advance(study["id"]) == 2
+    assert driver(settings).advance(study["id"]) == 0  # a second pass changes nothing
     shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
     assert [(t["number"], t["state"], t["job_state"]) for t in shown["trials"]] == [
         (0, "RUNNING", "QUEUED"),
@@ -141,7 +141,7 @@ def test_the_driver_launches_up_to_parallelism_and_is_idempotent(
 def test_two_drivers_at_once_never_exceed_parallelism(client: TestClient, settings: Settings) -> None:
     study = create(client, study_body(parallelism=3, n_trials=8)).json()
     with ThreadPoolExecutor(4) as pool:
-        launched = list(pool.map(lambda _: driver(settings).advance(study["id"]).launched, range(4)))
+        launched = list(pool.map(lambda _: driver(settings).advance(study["id"]), range(4)))
     assert sum(launched) == 3 and count(settings, TuningTrial) == 3
 
 
@@ -152,7 +152,7 @@ def test_an_ended_trial_job_is_told_and_the_next_trial_starts(client: TestClient
         first = session.scalars(select(Job).order_by(Job.id)).first()
         assert first is not None
         jobs.kill_job(session, first)  # a user cancels a trial: FAIL, not a failed configuration
-    assert driver(settings).advance(study["id"]).launched == 1
+    assert driver(settings).advance(study["id"]) == 1
     shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
     assert [t["state"] for t in shown["trials"]] == ["FAIL", "RUNNING", "RUNNING"]
     assert shown["trials"][0]["reason"] == "its job was cancelled by user" and shown["state"] == "RUNNING"
@@ -170,7 +170,7 @@ def test_an_orphan_trial_is_adopted_not_duplicated(client: TestClient, settings:
     spec = StudySpec.model_validate(body)
     asked = tuning.create(settings.database_url, name, spec)
     half_asked = asked._storage.create_new_trial(asked._study_id)  # died before sampling
-    assert driver(settings).advance(study["id"]).launched == 1  # adopted trial 0, launched trial 1
+    assert driver(settings).advance(study["id"]) == 1  # adopted trial 0, launched trial 1
     shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
     assert [t["number"] for t in shown["trials"]] == [0, 1]
     adopted = asked._storage.get_trial(half_asked)
@@ -185,7 +185,7 @@ def test_stop_pauses_trials_and_resume_requeues_them(
     driver(settings).advance(study["id"])
     stopped = client.post(f"/api/v1/studies/{study['id']}/stop", headers=USER)
     assert stopped.status_code == 200 and stopped.json()["state"] == "STOPPED"
-    assert driver(settings).advance(study["id"]).launched == 0
+    assert driver(settings).advance(study["id"]) == 0
     trials = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()["trials"]
     assert [t["job_state"] for t in trials] == ["PAUSED", "PAUSED"]
     again = client.post(f"/api/v1/studies/{study['id']}/stop", headers=USER)
