@@ -1,18 +1,36 @@
-"""The job state machine: every (from, to) pair is either allowed by a rule or refused."""
+"""The state machines: for jobs, studies, agents, allocation nodes, trials and checkpoints, every
+(from, to) pair is either allowed by a rule or refused, and an allowed move reaches the database."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from phalanx.schemas import JobState, StudyState
+from phalanx.schemas import AgentState, JobState, NodeState, StudyState, TrialState
 from server.db import make_engine, upgrade
 from server.errors import IllegalTransition
-from server.models import Job, JobEvent, TuningStudy, User
-from server.transitions import ALLOWED, STUDY_ALLOWED, can_transition, transition, transition_study
+from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, JobEvent, TuningStudy, TuningTrial, User
+from server.transitions import (
+    AGENT_ALLOWED,
+    ALLOWED,
+    CHECKPOINT_ALLOWED,
+    COMMITTED,
+    DELETING,
+    NODE_ALLOWED,
+    STUDY_ALLOWED,
+    TRIAL_ALLOWED,
+    can_transition,
+    transition,
+    transition_agent,
+    transition_checkpoint,
+    transition_node,
+    transition_study,
+    transition_trial,
+)
 
 S = JobState
 EXPECTED_ALLOWED = {
@@ -141,4 +159,96 @@ def test_every_study_pair(session_maker, current: StudyState, target: StudyState
             with pytest.raises(IllegalTransition, match=f"is {current.value} and cannot become {target.value}"):
                 transition_study(session, study, target, "nope")
             assert study.state == current.value
+        session.rollback()
+
+
+# --- agents, allocation nodes, trials, checkpoints: the same compare-and-set move, their own tables
+
+AGENT_EXPECTED = {
+    (AgentState.ACTIVE, AgentState.DRAINING),
+    (AgentState.ACTIVE, AgentState.LOST),
+    (AgentState.DRAINING, AgentState.LOST),
+    (AgentState.LOST, AgentState.ACTIVE),
+}
+NODE_EXPECTED = {
+    (NodeState.ASSIGNED, NodeState.RUNNING),
+    (NodeState.ASSIGNED, NodeState.EXITED),
+    (NodeState.RUNNING, NodeState.EXITED),
+}
+TRIAL_EXPECTED = {(TrialState.RUNNING, t) for t in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+CHECKPOINT_EXPECTED = {(COMMITTED, DELETING)}
+KINDS: dict[str, tuple[dict[Any, frozenset[Any]], set[tuple[Any, Any]], list[Any]]] = {
+    "agent": (AGENT_ALLOWED, AGENT_EXPECTED, list(AgentState)),
+    "node": (NODE_ALLOWED, NODE_EXPECTED, list(NodeState)),
+    "trial": (TRIAL_ALLOWED, TRIAL_EXPECTED, list(TrialState)),
+    "checkpoint": (CHECKPOINT_ALLOWED, CHECKPOINT_EXPECTED, [COMMITTED, DELETING]),
+}
+KIND_PAIRS = [(kind, a, b) for kind, (_, _, states) in KINDS.items() for a, b in itertools.product(states, states)]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_rule_table_is_the_documented_lifecycle(kind: str) -> None:
+    table, expected, states = KINDS[kind]
+    assert {(a, b) for a, targets in table.items() for b in targets} == expected
+    assert set(table) == set(states)
+
+
+def make_row(session: Session, kind: str, state: Any) -> Any:
+    """A row of `kind` in `state`, with the parents its foreign keys need."""
+    user = User(name=f"u-{kind}-{state}", is_admin=False)
+    agent = Agent(name=f"a-{kind}-{state}", address="127.0.0.1", state="ACTIVE", cpu_slots=1, gpu_slots=0)
+    session.add_all([user, agent])
+    session.flush()
+    if kind == "agent":
+        agent.state = str(state)
+        session.flush()
+        return agent
+    job = Job(name="j", owner_id=user.id, state="RUNNING", spec={}, priority=50, nodes=1, slots_per_node=1,
+              slot_type="cpu", attempts=1)  # fmt: skip
+    session.add(job)
+    session.flush()
+    allocation = Allocation(job_id=job.id, attempt=1, master_addr="127.0.0.1", active=True)
+    session.add(allocation)
+    session.flush()
+    row: Any
+    if kind == "node":
+        row = AllocationNode(allocation_id=allocation.id, node_rank=0, agent_id=agent.id, slot_type="cpu",
+                             slot_indices=[0], state=str(state), desired="run")  # fmt: skip
+    elif kind == "checkpoint":
+        row = Checkpoint(job_id=job.id, allocation_id=allocation.id, attempt=1, step=1, metrics={}, size_bytes=1,
+                         path="file:///c", state=str(state))  # fmt: skip
+    else:
+        study = TuningStudy(name="s", owner_id=user.id, optuna_name=f"o-{state}", state="RUNNING", spec={},
+                            bundle_size=0, running_seconds=0.0)  # fmt: skip
+        session.add(study)
+        session.flush()
+        row = TuningTrial(study_id=study.id, number=0, optuna_trial_id=abs(hash(str(state))) % 10**6, job_id=job.id,
+                          params={}, state=str(state))  # fmt: skip
+    session.add(row)
+    session.flush()
+    return row
+
+
+MOVES = {
+    "agent": transition_agent,
+    "node": transition_node,
+    "trial": transition_trial,
+    "checkpoint": transition_checkpoint,
+}
+
+
+@pytest.mark.parametrize(("kind", "current", "target"), KIND_PAIRS, ids=[f"{k}:{a}->{b}" for k, a, b in KIND_PAIRS])
+def test_every_pair_of_every_kind(session_maker, kind: str, current: Any, target: Any) -> None:  # type: ignore[no-untyped-def]
+    with session_maker() as session, session.begin():
+        row = make_row(session, kind, current)
+        if (current, target) in KINDS[kind][1]:
+            MOVES[kind](session, row, target)
+            assert row.state == str(target)
+            session.expire(row)
+            assert row.state == str(target)  # written to the database, not only to the object
+        else:
+            with pytest.raises(IllegalTransition, match=f"{kind} {row.id} is {current} and cannot become {target}"):
+                MOVES[kind](session, row, target)
+            session.expire(row)
+            assert row.state == str(current)
         session.rollback()
