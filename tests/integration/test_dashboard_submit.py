@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.settings import Settings
+from server.task_names import ADVANCE_STUDY_TASK, SCHEDULE_TASK
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 
 pytestmark = pytest.mark.integration
@@ -189,7 +190,7 @@ def test_an_uploaded_job_file_becomes_a_queued_job(client: TestClient, enqueued:
     assert job["spec"]["entrypoint"] == "python train.py --epochs 3"
     assert job["spec"]["resources"] == {"nodes": 1, "slots_per_node": 2, "slot_type": "cpu"}
     assert job["spec"]["hyperparameters"] == {"lr": 0.05}
-    assert ("phalanx.schedule",) in enqueued  # kicked, as the REST route does
+    assert (SCHEDULE_TASK,) in enqueued  # kicked, as the REST route does
     assert client.get(response.headers["location"]).status_code == 200
     assert client.get(f"/api/v1/jobs/{job['id']}/bundle", headers=AGENT).status_code == 404  # no code sent
 
@@ -234,7 +235,7 @@ def test_a_study_file_becomes_a_study_and_its_driver_starts(
     [study] = studies(client)
     assert response.headers["location"] == f"/studies/{study['id']}"
     assert study["name"] == "tune" and study["spec"]["n_trials"] == 4
-    assert ("phalanx.advance_study", study["id"]) in enqueued
+    assert (ADVANCE_STUDY_TASK, study["id"]) in enqueued
     assert jobs(client) == []  # the trials are the driver's to create
 
 

@@ -20,6 +20,7 @@ from server.app import create_app
 from server.db import session_factory, session_scope
 from server.models import Job, TuningStudy, TuningTrial
 from server.settings import Settings
+from server.task_names import ADVANCE_STUDY_TASK
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 
 pytestmark = pytest.mark.integration
@@ -121,7 +122,7 @@ def test_the_driver_launches_up_to_parallelism_and_is_idempotent(
     client: TestClient, settings: Settings, enqueued: list[Any]
 ) -> None:
     study = create(client, study_body()).json()
-    assert study["state"] == "RUNNING" and ("phalanx.advance_study", (study["id"],)) in enqueued
+    assert study["state"] == "RUNNING" and (ADVANCE_STUDY_TASK, (study["id"],)) in enqueued
     assert driver(settings).advance(study["id"]) == 2
     assert driver(settings).advance(study["id"]) == 0  # a second pass changes nothing
     shown = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
@@ -192,7 +193,7 @@ def test_stop_pauses_trials_and_resume_requeues_them(
     assert again.status_code == 409
     enqueued.clear()
     assert client.post(f"/api/v1/studies/{study['id']}/resume", headers=USER).json()["state"] == "RUNNING"
-    assert ("phalanx.advance_study", (study["id"],)) in enqueued
+    assert (ADVANCE_STUDY_TASK, (study["id"],)) in enqueued
     trials = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()["trials"]
     assert [t["job_state"] for t in trials] == ["QUEUED", "QUEUED"]
 
@@ -261,12 +262,12 @@ def test_the_pruner_prunes_a_trial_worse_than_the_median(
     allocation, agent = start_trial(client, settings, first["job_id"])
     enqueued.clear()
     report(client, allocation, {0: {"loss": 1.0}, 1: {"loss": 0.5}, 2: {"loss": 0.2, "other": 3.0}})
-    assert ("phalanx.advance_study", (study["id"],)) in enqueued  # the batch carries the objective
+    assert (ADVANCE_STUDY_TASK, (study["id"],)) in enqueued  # the batch carries the objective
     enqueued.clear()
     report(client, allocation, {3: {"other": 1.0}})
     assert not enqueued  # this one does not
     finish(client, allocation, agent)
-    assert ("phalanx.advance_study", (study["id"],)) in enqueued  # a trial job ended
+    assert (ADVANCE_STUDY_TASK, (study["id"],)) in enqueued  # a trial job ended
     driver(settings).advance(study["id"])  # tells COMPLETE (loss 0.2, the last value), starts trial 1
 
     second = trials(client, study["id"])[1]
