@@ -29,7 +29,10 @@ COPY scheduler ./scheduler
 COPY worker_agent ./worker_agent
 COPY web ./web
 COPY migrations ./migrations
-RUN pip install . && python -c "import phalanx.cli.main, server.app, scheduler.tasks, worker_agent.agent"
+# The examples extra too: the agents of this image run the example jobs (docker-compose.yml's
+# first submit is examples/digits, which loads scikit-learn's dataset).
+RUN pip install '.[examples]' \
+    && python -c "import phalanx.cli.main, server.app, scheduler.tasks, worker_agent.agent, sklearn.datasets"
 
 # --- runtime --------------------------------------------------------------------------------------
 FROM python:3.11-slim

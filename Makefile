@@ -11,7 +11,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch first, from its CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[dev]'
+	# dev: tests and linters; examples: what examples/ imports (the tests and `make demo` run them)
+	$(PIP) install --quiet -e '.[dev,examples]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,9 +1,10 @@
-"""The Python SDK: the one HTTP client for everything outside the server (users, CLI, agents, workers).
+"""The Python SDK: the client of users, the CLI and the agents, on the shared transport
+(`phalanx._transport`, which a training rank's senders use too).
 
 Contract: every method raises `ApiError` for an HTTP error answer (with the server's message and
-status) and `httpx.TransportError` when the server cannot be reached; callers that must survive an
-outage (the agent) wrap calls in their own retry policy. One `Client` may be shared by threads
-(httpx.Client is thread-safe for requests).
+status; `Conflict`, a subclass, for a 409) and `httpx.TransportError` when the server cannot be
+reached. Nothing is retried here: a caller that must survive an outage (the agent) wraps calls in
+`reliably`, the one retry policy. One `Client` may be shared by threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from phalanx._transport import ApiError, Conflict, Transport, is_transient, reliably
 from phalanx.schemas import (
     AgentRegistration,
     AgentView,
@@ -45,12 +47,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_BUNDLE_BYTES = 64 * 1024 * 1024
 BUNDLE_EXCLUDES = {".git", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 M = TypeVar("M", bound=BaseModel)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, detail: Any = None) -> None:
-        super().__init__(f"{message} (HTTP {status})")
-        self.status, self.message, self.detail = status, message, detail
+__all__ = ["ApiError", "Client", "Conflict", "SpecError", "is_transient", "reliably"]
 
 
 class SpecError(ValueError):
@@ -152,11 +149,10 @@ class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
         self.url = (url or os.environ.get("PHALANX_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else os.environ.get("PHALANX_TOKEN", "")
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._transport = Transport(self.url, self.token, timeout)
 
     def close(self) -> None:
-        self._http.close()
+        self._transport.close()
 
     def __enter__(self) -> Client:
         return self
@@ -167,15 +163,7 @@ class Client:
     # --- plumbing ---------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._http.request(method, f"/api/v1{path}", **kwargs)
-        if response.status_code >= 400:
-            try:
-                body = response.json()
-                message, detail = body.get("error", response.text), body.get("detail")
-            except ValueError:
-                message, detail = response.text or response.reason_phrase, None
-            raise ApiError(response.status_code, message, detail)
-        return response
+        return self._transport.request(method, path, **kwargs)
 
     def _get(self, model: type[M], path: str, **kwargs: Any) -> M:
         return model.model_validate_json(self._request("GET", path, **kwargs).content)
@@ -184,10 +172,7 @@ class Client:
         return TypeAdapter(list[model]).validate_json(self._request("GET", path, **kwargs).content)  # type: ignore[valid-type]
 
     def healthy(self) -> bool:
-        try:
-            return self._http.get("/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
+        return self._transport.healthy()
 
     # --- jobs -------------------------------------------------------------------------------------
 
@@ -265,13 +250,12 @@ class Client:
             raise ApiError(404, f"job {job_id} has no checkpoint at step {step}; it has steps {steps}")
         target = Path(dest)
         target.mkdir(parents=True, exist_ok=True)
-        path = f"/api/v1/jobs/{job_id}/checkpoints/{chosen.step}/archive"
-        with self._http.stream("GET", path, timeout=600) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise ApiError(response.status_code, response.text)
-            with tarfile.open(fileobj=_StreamReader(response.iter_bytes()), mode="r|gz") as tar:
-                tar.extractall(target, filter="data")
+        path = f"/jobs/{job_id}/checkpoints/{chosen.step}/archive"
+        with (
+            self._transport.stream("GET", path, timeout=600) as response,
+            tarfile.open(fileobj=_StreamReader(response.iter_bytes()), mode="r|gz") as tar,
+        ):
+            tar.extractall(target, filter="data")
         return chosen
 
     # --- studies -----------------------------------------------------------------------------------
@@ -365,8 +349,3 @@ class Client:
     def ship_logs(self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn]) -> None:
         body = {"lines": [line.model_dump() for line in lines]}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/logs", json=body)
-
-    # --- workers ----------------------------------------------------------------------------------
-
-    def post_metrics(self, allocation_id: int, records: list[dict[str, Any]]) -> None:
-        self._request("POST", f"/allocations/{allocation_id}/metrics", json={"records": records})

@@ -1,8 +1,9 @@
 """The per-node daemon: register, heartbeat, long-poll for work, run each node of a gang.
 
 It talks to the server only through the SDK (`phalanx.client.Client`). Reports that must arrive
-(rendezvous, started, exit, logs) are retried with backoff while the server is unreachable; a
-4xx answer is final and logged.
+(rendezvous, started, exit, logs) go through `reliably`, the SDK's one retry policy: retried with
+backoff while the server is unreachable or busy (5xx, 408, 425, 429); any other 4xx answer is
+final and logged.
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ import tarfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
-from tenacity import RetryCallState, retry, retry_if_exception, stop_after_delay, wait_exponential
 
-from phalanx.client import ApiError, Client
+from phalanx.client import ApiError, Client, reliably
 from phalanx.schemas import AgentRegistration, Assignment, LogLineIn
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env
 from worker_agent.warm import WarmTorchrun
@@ -34,27 +32,6 @@ log = logging.getLogger("phalanx.agent")
 SHIP_INTERVAL_S = 1.0
 # Warm torchruns are topped up after this long without a node running here (see prime_when_idle).
 WARM_TOP_UP_IDLE_S = 5.0
-T = TypeVar("T")
-
-
-def _transient(exc: BaseException) -> bool:
-    return isinstance(exc, httpx.TransportError) or (isinstance(exc, ApiError) and exc.status >= 500)
-
-
-def _log_retry(state: RetryCallState) -> None:
-    log.warning("server unreachable (%s); retrying", state.outcome.exception() if state.outcome else "?")
-
-
-def reliably(fn: Callable[[], T], give_up_after: float = 3600.0) -> T:
-    """Call `fn` until it succeeds or fails for a reason retrying cannot fix."""
-    caller = retry(
-        retry=retry_if_exception(_transient),
-        wait=wait_exponential(multiplier=0.2, max=5.0),
-        stop=stop_after_delay(give_up_after),
-        before_sleep=_log_retry,
-        reraise=True,
-    )(fn)
-    return caller()
 
 
 @dataclass

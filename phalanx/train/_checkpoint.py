@@ -180,28 +180,3 @@ def _floats(values: Mapping[str, Any]) -> dict[str, float]:
         if number == number and abs(number) != float("inf"):
             out[key] = number
     return out
-
-
-def http_committer(url: str, allocation_id: int, token: str | None) -> Callable[[dict[str, Any]], bool]:
-    """POST the commit; True when recorded, False when this allocation was superseded (409)."""
-    import httpx
-    from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    client = httpx.Client(base_url=url, headers=headers, timeout=30)
-
-    def transient(exc: BaseException) -> bool:
-        if isinstance(exc, httpx.HTTPStatusError):
-            return exc.response.status_code >= 500
-        return isinstance(exc, httpx.TransportError)
-
-    @retry(retry=retry_if_exception(transient), wait=wait_exponential(0.2, max=5), stop=stop_after_delay(600))
-    def commit(body: dict[str, Any]) -> bool:
-        response = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body)
-        if response.status_code == 409:
-            logger.error("phalanx: checkpoint refused, this attempt was superseded: %s", response.text[:300])
-            return False
-        response.raise_for_status()
-        return True
-
-    return commit

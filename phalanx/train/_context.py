@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from phalanx.train._checkpoint import Checkpoint, CheckpointWriter, http_committer, resume_point
+from phalanx.train._checkpoint import Checkpoint, CheckpointWriter, resume_point
 from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
@@ -78,20 +78,18 @@ class Context:
             self._init_process_group(env)
 
         sink: MetricSink | None = None
+        committer: Callable[[dict[str, Any]], bool] | None = None
         if env.managed:
-            from phalanx.train._http import HttpMetricSink  # httpx only when there is a server
+            from phalanx.train._http import HttpMetricSink, http_committer  # the HTTP stack only with a server
 
             assert env.url is not None and env.allocation_id is not None  # read_env checked
             sink = HttpMetricSink(env.url, env.allocation_id, env.token)
+            committer = http_committer(env.url, env.allocation_id, env.token)
         self._pipeline = MetricPipeline(self.rank, sink)
         self._checkpoint_superseded = False
         # Outside Phalanx (plain python/torchrun) checkpoints go to a fresh temporary folder unless
         # PHALANX_CHECKPOINT_ROOT says where: never into the code folder, which Phalanx uploads.
         root = os.environ.get("PHALANX_CHECKPOINT_ROOT") or f"file://{tempfile.mkdtemp(prefix='phalanx-checkpoints-')}"
-        committer = None
-        if env.managed:
-            assert env.url is not None and env.allocation_id is not None
-            committer = http_committer(env.url, env.allocation_id, env.token)
         self._checkpoints = CheckpointWriter(
             root, env.attempt, self.rank, self.world_size, committer, self._superseded_by_checkpoint
         )

@@ -1,53 +1,75 @@
-"""Sends metric batches to the Phalanx server. Imported only when the agent launched the process."""
+"""A rank's two senders to the Phalanx server, on the shared transport (`phalanx._transport`):
+metric batches (`HttpMetricSink`, for the pipeline's thread) and checkpoint commits
+(`http_committer`, for the checkpoint thread).
+
+Imported only when the agent launched the process, so that a script run outside Phalanx loads no
+HTTP stack. No pydantic here either: the bodies are dicts, shaped like the server's
+`MetricBatchIn` and `CheckpointCommit`.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import orjson
 
+from phalanx._transport import ApiError, Conflict, Transport, is_transient, reliably
 from phalanx.train._metrics import SEND_TIMEOUT_S, MetricRecordDict, SendOutcome
 
 logger = logging.getLogger("phalanx.train")
 
 _JSON = {"Content-Type": "application/json"}
-# Worth retrying: the server is restarting, overloaded, or a proxy timed out.
-_RETRYABLE_STATUS = frozenset({408, 425, 429})
+# A commit is retried this long through a server outage; past it the previous checkpoint stays latest.
+COMMIT_GIVE_UP_AFTER_S = 600.0
+COMMIT_TIMEOUT_S = 30.0
 
 
 class HttpMetricSink:
-    """One httpx.Client, used only by the metrics thread."""
+    """One transport, used only by the metrics thread. Never raises and never waits to retry: it
+    says what became of the batch, and the pipeline schedules any retry (`_retry.backoff_delay`)."""
 
     def __init__(self, url: str, allocation_id: int, token: str | None) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=url, headers=headers, timeout=SEND_TIMEOUT_S)
-        self._path = f"/api/v1/allocations/{allocation_id}/metrics"
+        self._transport = Transport(url, token, timeout=SEND_TIMEOUT_S)
+        self._path = f"/allocations/{allocation_id}/metrics"
 
     def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
+        # orjson: a second's records encode in ~40 us instead of ~0.7 ms with json, and this
+        # thread shares the GIL (and on small machines the core) with the training loop.
+        body = orjson.dumps({"records": records, "batch_id": batch_id})
         try:
-            # orjson: a second's records encode in ~40 us instead of ~0.7 ms with json, and this
-            # thread shares the GIL (and on small machines the core) with the training loop.
-            body = orjson.dumps({"records": records, "batch_id": batch_id})
-            response = self._client.post(self._path, content=body, headers=_JSON, timeout=timeout)
-        except httpx.HTTPError as exc:
-            logger.debug("phalanx: metrics request failed: %s", exc)
-            return SendOutcome.RETRY
-        status = response.status_code
-        if 200 <= status < 300:
-            return SendOutcome.DELIVERED
-        if status == 409:
+            self._transport.request("POST", self._path, content=body, headers=_JSON, timeout=timeout)
+        except Conflict:
             return SendOutcome.SUPERSEDED
-        if status >= 500 or status in _RETRYABLE_STATUS:
-            return SendOutcome.RETRY
-        # Any other 4xx will not change on a retry; keeping the batch would block every later one.
-        logger.warning(
-            "phalanx: server refused %d metric records (HTTP %d): %s",
-            len(records),
-            status,
-            response.text[:500],
-        )
-        return SendOutcome.REJECTED
+        except (ApiError, httpx.HTTPError) as exc:
+            if is_transient(exc):
+                logger.debug("phalanx: metrics request failed: %s", exc)
+                return SendOutcome.RETRY
+            # It will not change on a retry; keeping the batch would block every later one.
+            logger.warning("phalanx: server refused %d metric records: %s", len(records), str(exc)[:500])
+            return SendOutcome.REJECTED
+        return SendOutcome.DELIVERED
 
     def close(self) -> None:
-        self._client.close()
+        self._transport.close()
+
+
+def http_committer(url: str, allocation_id: int, token: str | None) -> Callable[[dict[str, Any]], bool]:
+    """POST the commit, retrying through outages; True when recorded, False when this allocation
+    was superseded (409). Any other refusal raises `ApiError`."""
+    transport = Transport(url, token, timeout=COMMIT_TIMEOUT_S)
+    path = f"/allocations/{allocation_id}/checkpoints"
+
+    def commit(body: dict[str, Any]) -> bool:
+        try:
+            reliably(
+                lambda: transport.request("POST", path, json=body), give_up_after=COMMIT_GIVE_UP_AFTER_S, log=logger
+            )
+        except Conflict as exc:
+            logger.error("phalanx: checkpoint refused, this attempt was superseded: %s", exc.message[:300])
+            return False
+        return True
+
+    return commit

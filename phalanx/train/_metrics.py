@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import random
 import threading
 import time
 import uuid
@@ -22,13 +21,17 @@ from itertools import islice
 from queue import Empty, SimpleQueue
 from typing import Any, Protocol, TypedDict
 
+from phalanx._retry import backoff_delay
+
 logger = logging.getLogger("phalanx.train")
 
 MAX_BATCH = 5_000  # records per request: keeps one POST well under a megabyte
 MAX_BUFFER = 100_000  # records held while the server is unreachable; the oldest go first
 FLUSH_INTERVAL_S = 1.0  # batching window: one request per second instead of one per step (each costs server CPU)
 SEND_TIMEOUT_S = 10.0
-INITIAL_BACKOFF_S = 0.5
+# The shared backoff (phalanx._retry), capped higher than for the agent's reports: nobody waits on
+# these batches, each is large, and every rank of every job sends them to a server that may be
+# struggling already. flush() and close() retry at once regardless.
 MAX_BACKOFF_S = 30.0
 URGENT_RETRY_S = 0.1  # while someone waits in flush()/close(), retry often instead of backing off
 
@@ -117,7 +120,7 @@ class MetricPipeline:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._deadline = math.inf
-        self._backoff_s = INITIAL_BACKOFF_S
+        self._failures = 0  # consecutive failed attempts: how long the next retry waits
         self._next_attempt = 0.0
         self._failing = False
 
@@ -288,14 +291,14 @@ class MetricPipeline:
                 if not self._failing:
                     logger.warning("phalanx: cannot send metrics yet; retrying with backoff")
                     self._failing = True
-                self._next_attempt = time.monotonic() + self._backoff_s * random.uniform(0.5, 1.0)
-                self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
+                self._failures += 1
+                self._next_attempt = time.monotonic() + backoff_delay(self._failures, MAX_BACKOFF_S)
                 return
             self._retry_size = 0
             if self._failing:
                 logger.info("phalanx: metrics are flowing again")
                 self._failing = False
-            self._backoff_s = INITIAL_BACKOFF_S
+            self._failures = 0
             if outcome is SendOutcome.SUPERSEDED:
                 logger.error("phalanx: this allocation was superseded by a newer attempt; stopping")
                 self.superseded = True

@@ -486,16 +486,24 @@ def final_stage() -> list[tuple[str, str]]:
     return steps[last_from:]
 
 
+# `pip install .`, `pip install '.[a,b]'`, with or without options before it
+PROJECT_INSTALL = re.compile(r"""pip install (\S+ )*(['"]?)\.(\[(?P<extras>[\w,-]+)\])?\2(\s|$|&)""")
+
+
 def test_dockerfile_installs_torch_cpu_first_then_the_project() -> None:
     steps = instructions()
     bases = [args.split()[0] for keyword, args in steps if keyword == "FROM"]
     assert bases and all(base == "python:3.11-slim" for base in bases), bases
     runs = [args for keyword, args in steps if keyword == "RUN"]
     torch_at = next((i for i, run in enumerate(runs) if "pip install torch==" in run), None)
-    project_at = next((i for i, run in enumerate(runs) if re.search(r"pip install (\S+ )*\.(\s|$|&)", run)), None)
+    projects = [(i, found) for i, run in enumerate(runs) if (found := PROJECT_INSTALL.search(run))]
     assert torch_at is not None, "the image must install torch's CPU wheel explicitly"
-    assert project_at is not None, "the image must `pip install .`"
+    assert projects, "the image must `pip install .` (or `'.[extras]'`)"
+    project_at, project = projects[0]
     assert torch_at < project_at, "torch first: otherwise the project's `torch>=2.4` pulls the CUDA build"
+    # docker-compose.yml's agents run the example jobs it tells users to submit (examples/digits).
+    extras = (project["extras"] or "").split(",")
+    assert "examples" in extras, "the image must install the examples extra: its agents run examples/"
 
     makefile_version = re.search(r"^TORCH_VERSION \?= (\S+)", (REPO / "Makefile").read_text(), re.M)
     docker_version = re.search(r"ARG TORCH_VERSION=(\S+)", DOCKERFILE.read_text())

@@ -255,21 +255,40 @@ def test_sigterm_sets_should_stop_without_exiting() -> None:
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler leaves with the context
 
 
-def test_importing_the_api_loads_neither_server_nor_http_stack() -> None:
-    code = (
-        "import sys, json, phalanx.train; "
-        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'server', 'scheduler', 'worker_agent', 'pydantic', 'httpx', 'fastapi', 'sqlalchemy'})))"
+HEAVY_MODULES = {"server", "scheduler", "worker_agent", "pydantic", "httpx", "tenacity", "fastapi", "sqlalchemy"}
+
+
+def loaded_heavy_modules(code: str, **env: str) -> list[str]:
+    """Which of HEAVY_MODULES a fresh interpreter holds after running `code`."""
+    report = (
+        f"; import sys, json; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {HEAVY_MODULES!r})))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=subprocess_env(),
+        [sys.executable, "-c", code + report],
+        env=subprocess_env(**env),
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    assert json.loads(out.stdout) == []
+    loaded: list[str] = json.loads(out.stdout.splitlines()[-1])
+    return loaded
+
+
+def test_importing_the_api_loads_neither_server_nor_http_stack() -> None:
+    assert loaded_heavy_modules("import phalanx.train") == []
+
+
+def test_a_rank_launched_by_an_agent_loads_the_transport_but_no_pydantic() -> None:
+    # The metric sink and the checkpoint committer share the SDK's transport; the SDK's models stay out.
+    code = "import phalanx.train as pt; ctx = pt.init(); ctx.report({'loss': 1.0}, step=0); ctx.finish(timeout=0.2)"
+    env = {
+        "PHALANX_URL": closed_port_url(),
+        "PHALANX_JOB_ID": "3",
+        "PHALANX_ALLOCATION_ID": "7",
+        "PHALANX_ATTEMPT": "1",
+    }
+    assert loaded_heavy_modules(code, **env) == ["httpx", "tenacity"]
 
 
 # --- metrics to a server -------------------------------------------------------------------

@@ -1,74 +1,25 @@
-"""Wire schemas shared by the server, the SDK, the CLI and the agent.
+"""What users write: a job file maps 1:1 onto `JobSpec`, a study file onto `StudySpec`.
 
-A job file (YAML) maps 1:1 onto `JobSpec`. Response models (`JobView`, `AgentView`, ...) are what the
-REST API returns; ORM classes never leave the server's data layer.
+Every inconsistency Optuna (or the launcher) would trip over later is refused here, naming the field.
 """
 
 from __future__ import annotations
 
-import enum
 import re
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+from phalanx.schemas._base import NAME_PATTERN, StrictModel
+from phalanx.schemas.enums import Direction, Precision, SlotType
+
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Variables the platform itself sets for every rank; a job may not override them.
 RESERVED_ENV_PREFIXES = ("PHALANX_", "MASTER_", "TORCHELASTIC_")
 RESERVED_ENV_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SlotType(enum.StrEnum):
-    CPU = "cpu"
-    GPU = "gpu"
-
-
-class Precision(enum.StrEnum):
-    FP32 = "32"
-    BF16_MIXED = "bf16-mixed"
-    FP16_MIXED = "fp16-mixed"
-
-
-class JobState(enum.StrEnum):
-    QUEUED = "QUEUED"
-    SCHEDULED = "SCHEDULED"
-    RUNNING = "RUNNING"
-    RESTARTING = "RESTARTING"
-    PAUSED = "PAUSED"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    PRUNED = "PRUNED"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_JOB_STATES
-
-
-TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED})
-
-
-class AgentState(enum.StrEnum):
-    ACTIVE = "ACTIVE"
-    DRAINING = "DRAINING"
-    LOST = "LOST"
-
-
-class NodeState(enum.StrEnum):
-    """One node of an allocation, as its agent sees it."""
-
-    ASSIGNED = "ASSIGNED"  # placed; the agent has not launched torchrun yet
-    RUNNING = "RUNNING"  # torchrun is up on that agent
-    EXITED = "EXITED"  # torchrun ended (exit code recorded); its slots are free again
-
-
-class Resources(_Strict):
+class Resources(StrictModel):
     nodes: int = Field(1, ge=1, le=1024, description="Number of nodes (agents) in the gang.")
     slots_per_node: int = Field(1, ge=1, le=256, description="Worker processes (ranks) per node.")
     slot_type: SlotType = SlotType.CPU
@@ -78,7 +29,7 @@ class Resources(_Strict):
         return self.nodes * self.slots_per_node
 
 
-class CheckpointPolicy(_Strict):
+class CheckpointPolicy(StrictModel):
     keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints (at least 1: the resume point).")
     keep_best: int = Field(0, ge=0, description="Also keep the best K by `metric`.")
     metric: str | None = None
@@ -94,7 +45,7 @@ class CheckpointPolicy(_Strict):
         return self
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     """A job file. Every field a user may write; nothing else is accepted."""
 
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -132,217 +83,6 @@ class JobSpec(_Strict):
         return env
 
 
-class JobEventView(BaseModel):
-    time: datetime
-    from_state: JobState | None
-    to_state: JobState
-    reason: str
-
-
-class NodeView(BaseModel):
-    node_rank: int
-    agent_id: int
-    agent_name: str
-    slot_indices: list[int]
-    state: NodeState
-    exit_code: int | None
-
-
-class AllocationView(BaseModel):
-    id: int
-    attempt: int
-    master_addr: str
-    master_port: int | None
-    active: bool
-    fenced: bool
-    end_reason: str | None
-    resume_step: int | None
-    created_at: datetime
-    ended_at: datetime | None
-    nodes: list[NodeView]
-
-
-class JobView(BaseModel):
-    id: int
-    name: str
-    state: JobState
-    spec: JobSpec
-    owner: str
-    priority: int
-    wait_reason: str | None
-    failure_reason: str | None
-    submitted_at: datetime
-    started_at: datetime | None
-    ended_at: datetime | None
-    attempts: int
-    restarts_used: int = 0
-    infra_restarts_used: int = 0
-    latest_metrics: dict[str, float] = Field(default_factory=dict)
-    latest_step: int | None = None
-    study_id: int | None = None  # set for a trial job of a hyperparameter study
-    trial_number: int | None = None
-
-
-class JobDetail(JobView):
-    events: list[JobEventView]
-    allocations: list[AllocationView]
-
-
-class AgentView(BaseModel):
-    id: int
-    name: str
-    address: str
-    state: AgentState
-    cpu_slots: int
-    gpu_slots: int
-    used_cpu_slots: int
-    used_gpu_slots: int
-    registered_at: datetime
-    last_heartbeat: datetime
-
-
-# --- agent protocol --------------------------------------------------------------------------
-
-
-class AgentRegistration(_Strict):
-    name: Annotated[str, Field(pattern=NAME_PATTERN)]
-    address: Annotated[str, Field(min_length=1, max_length=255)]
-    cpu_slots: int = Field(ge=0, le=4096)
-    gpu_slots: int = Field(0, ge=0, le=256)
-
-
-class ResumePoint(BaseModel):
-    step: int
-    path: str
-
-
-class Assignment(BaseModel):
-    """What an agent must do for one node of one allocation.
-
-    desired: "run"; "stop" (SIGTERM, the script may checkpoint, SIGKILL after the grace period);
-    "kill" (SIGKILL at once: the attempt failed and its state is worthless past the checkpoint).
-    """
-
-    allocation_id: int
-    job_id: int
-    attempt: int
-    node_rank: int
-    nnodes: int
-    nproc_per_node: int
-    slot_type: SlotType
-    slot_indices: list[int]
-    master_addr: str
-    master_port: int | None
-    desired: Literal["run", "stop", "kill"]
-    entrypoint: str
-    env: dict[str, str]
-    hyperparameters: dict[str, Any]
-    precision: Precision
-    checkpoint_root: str = ""
-    resume: ResumePoint | None = None
-    pg_timeout: float = 120.0
-
-
-class AgentWork(BaseModel):
-    version: str  # opaque digest of `assignments`; passing it back makes the server wait for a change
-    assignments: list[Assignment]
-
-
-class Rendezvous(_Strict):
-    master_port: int = Field(ge=1, le=65535)
-
-
-class NodeStarted(_Strict):
-    node_rank: int = Field(ge=0)
-
-
-class NodeExit(_Strict):
-    node_rank: int = Field(ge=0)
-    exit_code: int
-    reason: str = Field("", max_length=4000)
-
-
-class LogLineIn(_Strict):
-    rank: int | None = None  # None: the launcher's own output
-    stream: Literal["stdout", "stderr"] = "stdout"
-    time: float
-    line: str
-
-
-class LogBatch(_Strict):
-    lines: list[LogLineIn]
-
-
-class LogRecord(BaseModel):
-    id: int
-    allocation_id: int
-    rank: int | None
-    stream: str
-    time: datetime
-    line: str
-
-
-class MetricRecord(_Strict):
-    """One `report()` call of one rank: several named values at one step."""
-
-    rank: int = Field(ge=0)
-    step: int
-    time: float
-    values: dict[str, float]
-
-
-class MetricBatchIn(_Strict):
-    records: list[MetricRecord]
-    batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
-
-
-class CheckpointCommit(_Strict):
-    """Sent by rank 0 after the checkpoint's files were renamed into place."""
-
-    step: int = Field(ge=0)
-    path: Annotated[str, Field(min_length=1, max_length=4096)]
-    size_bytes: int = Field(ge=0)
-    metrics: dict[str, float] = Field(default_factory=dict)
-
-
-class CheckpointView(BaseModel):
-    id: int
-    job_id: int
-    attempt: int
-    step: int
-    metrics: dict[str, float]
-    size_bytes: int
-    path: str
-    state: str
-    created_at: datetime
-
-
-class MetricPoint(BaseModel):
-    allocation_id: int
-    rank: int
-    step: int
-    name: str
-    value: float
-    time: datetime
-
-
-class TokenCreated(BaseModel):
-    id: int
-    kind: Literal["user", "agent"]
-    name: str
-    token: str  # shown once
-
-
-class TokenRequest(_Strict):
-    kind: Literal["user", "agent"] = "user"
-    name: Annotated[str, Field(pattern=NAME_PATTERN)]
-
-
-class ErrorBody(BaseModel):
-    error: str
-    detail: Any = None
-
-
 # --- hyperparameter studies ------------------------------------------------------------------
 # A study file (YAML) maps 1:1 onto `StudySpec`. Optuna is the engine; these models only say what
 # a user may write, and every inconsistency is refused here, before anything is created.
@@ -351,32 +91,7 @@ STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$"  # trial jobs are name
 GridValue = str | int | float | bool | None
 
 
-class StudyState(enum.StrEnum):
-    RUNNING = "RUNNING"  # the driver asks for trials and tells their results
-    STOPPED = "STOPPED"  # by a user: its running trials were paused (checkpoint and leave); resumable
-    COMPLETED = "COMPLETED"  # n_trials done, timeout, or target value reached
-    FAILED = "FAILED"  # max_failed_trials reached
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (StudyState.COMPLETED, StudyState.FAILED)
-
-
-class TrialState(enum.StrEnum):
-    """An Optuna trial's state as Phalanx last told it (Optuna's own names)."""
-
-    RUNNING = "RUNNING"
-    COMPLETE = "COMPLETE"
-    PRUNED = "PRUNED"
-    FAIL = "FAIL"
-
-
-class Direction(enum.StrEnum):
-    MINIMIZE = "minimize"
-    MAXIMIZE = "maximize"
-
-
-class Objective(_Strict):
+class Objective(StrictModel):
     metric: Annotated[str, Field(min_length=1, max_length=128, description="A metric the script reports.")]
     direction: Direction = Direction.MINIMIZE
 
@@ -386,7 +101,7 @@ def _is_multiple(span: float, step: float) -> bool:
     return abs(ratio - round(ratio)) <= 1e-9 * max(1.0, abs(ratio))
 
 
-class FloatParam(_Strict):
+class FloatParam(StrictModel):
     type: Literal["float"]
     low: float
     high: float
@@ -412,7 +127,7 @@ class FloatParam(_Strict):
         return [self.low + i * self.step for i in range(count)]
 
 
-class IntParam(_Strict):
+class IntParam(StrictModel):
     type: Literal["int"]
     low: int
     high: int
@@ -435,7 +150,7 @@ class IntParam(_Strict):
         return list(range(self.low, self.high + 1, self.step))
 
 
-class CategoricalParam(_Strict):
+class CategoricalParam(StrictModel):
     type: Literal["categorical"]
     choices: Annotated[list[GridValue], Field(min_length=1)]
 
@@ -454,7 +169,7 @@ class CategoricalParam(_Strict):
 Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
 
 
-class _Seeded(_Strict):
+class _Seeded(StrictModel):
     seed: int | None = Field(None, description="Makes the sampling reproducible.")
 
 
@@ -495,7 +210,7 @@ Sampler = Annotated[
 ]
 
 
-class _Windowed(_Strict):
+class _Windowed(StrictModel):
     n_startup_trials: int = Field(5, ge=0, description="Prune nothing until this many trials completed.")
     n_warmup_steps: int = Field(0, ge=0, description="Prune no trial before this step.")
     interval_steps: int = Field(1, ge=1)
@@ -510,21 +225,21 @@ class PercentilePruner(_Windowed):
     percentile: float = Field(ge=0, le=100)
 
 
-class SuccessiveHalvingPruner(_Strict):
+class SuccessiveHalvingPruner(StrictModel):
     type: Literal["successive_halving"]
     min_resource: int | Literal["auto"] = "auto"
     reduction_factor: int = Field(4, ge=2)
     min_early_stopping_rate: int = Field(0, ge=0)
 
 
-class HyperbandPruner(_Strict):
+class HyperbandPruner(StrictModel):
     type: Literal["hyperband"]
     min_resource: int = Field(1, ge=1)
     max_resource: int | Literal["auto"] = "auto"
     reduction_factor: int = Field(3, ge=2)
 
 
-class NoPruner(_Strict):
+class NoPruner(StrictModel):
     type: Literal["none"]
 
 
@@ -552,7 +267,7 @@ class TrialTemplate(JobSpec):
         return self
 
 
-class StudySpec(_Strict):
+class StudySpec(StrictModel):
     """A study file. Optuna drives the trials; each trial is a Phalanx job."""
 
     name: Annotated[str, Field(pattern=STUDY_NAME_PATTERN)]
@@ -645,51 +360,3 @@ def _outside(param: FloatParam | IntParam | CategoricalParam, value: Any) -> str
     if not param.low <= value <= param.high:
         return f"{value!r} is outside [{param.low}, {param.high}]"
     return None
-
-
-class TrialView(BaseModel):
-    number: int
-    job_id: int
-    job_state: JobState
-    state: TrialState
-    params: dict[str, Any]
-    values: list[float] | None  # one per objective, once COMPLETE (PRUNED: the last intermediate value)
-    last_step: int | None  # the newest intermediate value reported to Optuna
-    reason: str | None
-    best: bool = False  # the best trial, or on the Pareto front of a multi-objective study
-    best_so_far: float | None = None  # single objective: the best COMPLETE value up to this trial
-    created_at: datetime
-    ended_at: datetime | None
-
-
-class Study(BaseModel):
-    id: int
-    name: str
-    state: StudyState
-    reason: str | None
-    owner: str
-    spec: StudySpec
-    optuna_study_name: str
-    created_at: datetime
-    ended_at: datetime | None
-    trial_counts: dict[str, int]  # by TrialState
-    best_values: list[float] | None
-    best_trial: int | None
-
-
-class StudyDetail(Study):
-    version: str  # changes whenever a trial or the study changes: pass it back to long-poll
-    trials: list[TrialView]
-
-
-class StudyBest(BaseModel):
-    study_id: int
-    directions: list[Direction]
-    trials: list[TrialView]  # the best one; every trial on the Pareto front when multi-objective
-
-
-class ParamImportances(BaseModel):
-    study_id: int
-    method: str
-    importances: dict[str, float]
-    note: str | None = None

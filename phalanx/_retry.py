@@ -1,0 +1,29 @@
+"""The retry policy of everything that talks to the server: which answers are worth retrying, and
+how long to wait before the next try.
+
+Standard library only: `phalanx.train`'s metric thread schedules its retries with `backoff_delay`
+without loading the HTTP stack (a script run outside Phalanx never sends anything). The transport
+(`phalanx._transport`) applies the same policy to exceptions and, through tenacity, to blocking calls.
+"""
+
+from __future__ import annotations
+
+import random
+
+# Worth retrying besides 5xx: a proxy timed out (408), the server is not ready (425) or is
+# shedding load (429). Any other 4xx answers the same on every try.
+RETRYABLE_STATUSES = frozenset({408, 425, 429})
+INITIAL_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 5.0
+
+
+def is_retryable_status(status: int) -> bool:
+    return status >= 500 or status in RETRYABLE_STATUSES
+
+
+def backoff_delay(failures: int, maximum: float = MAX_BACKOFF_S) -> float:
+    """Seconds to wait after `failures` consecutive failures (1 or more): doubling from
+    `INITIAL_BACKOFF_S`, capped at `maximum`, jittered to between half and all of it so that the
+    ranks and agents that lost the server together do not come back in lock-step."""
+    exponent = min(max(failures, 1) - 1, 32)  # past any cap already; keeps 2**n small
+    return min(maximum, INITIAL_BACKOFF_S * 2.0**exponent) * random.uniform(0.5, 1.0)

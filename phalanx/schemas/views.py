@@ -1,0 +1,174 @@
+"""What `/api/v1` answers (and the one small body a user posts besides spec files, `TokenRequest`).
+
+Built by the server from its ORM rows; ORM classes never leave its data layer.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from phalanx.schemas._base import NAME_PATTERN, StrictModel
+from phalanx.schemas.enums import AgentState, Direction, JobState, NodeState, StudyState, TrialState
+from phalanx.schemas.specs import JobSpec, StudySpec
+
+
+class JobEventView(BaseModel):
+    time: datetime
+    from_state: JobState | None
+    to_state: JobState
+    reason: str
+
+
+class NodeView(BaseModel):
+    node_rank: int
+    agent_id: int
+    agent_name: str
+    slot_indices: list[int]
+    state: NodeState
+    exit_code: int | None
+
+
+class AllocationView(BaseModel):
+    id: int
+    attempt: int
+    master_addr: str
+    master_port: int | None
+    active: bool
+    fenced: bool
+    end_reason: str | None
+    resume_step: int | None
+    created_at: datetime
+    ended_at: datetime | None
+    nodes: list[NodeView]
+
+
+class JobView(BaseModel):
+    id: int
+    name: str
+    state: JobState
+    spec: JobSpec
+    owner: str
+    priority: int
+    wait_reason: str | None
+    failure_reason: str | None
+    submitted_at: datetime
+    started_at: datetime | None
+    ended_at: datetime | None
+    attempts: int
+    restarts_used: int = 0
+    infra_restarts_used: int = 0
+    latest_metrics: dict[str, float] = Field(default_factory=dict)
+    latest_step: int | None = None
+    study_id: int | None = None  # set for a trial job of a hyperparameter study
+    trial_number: int | None = None
+
+
+class JobDetail(JobView):
+    events: list[JobEventView]
+    allocations: list[AllocationView]
+
+
+class AgentView(BaseModel):
+    id: int
+    name: str
+    address: str
+    state: AgentState
+    cpu_slots: int
+    gpu_slots: int
+    used_cpu_slots: int
+    used_gpu_slots: int
+    registered_at: datetime
+    last_heartbeat: datetime
+
+
+class LogRecord(BaseModel):
+    id: int
+    allocation_id: int
+    rank: int | None
+    stream: str
+    time: datetime
+    line: str
+
+
+class CheckpointView(BaseModel):
+    id: int
+    job_id: int
+    attempt: int
+    step: int
+    metrics: dict[str, float]
+    size_bytes: int
+    path: str
+    state: str
+    created_at: datetime
+
+
+class MetricPoint(BaseModel):
+    allocation_id: int
+    rank: int
+    step: int
+    name: str
+    value: float
+    time: datetime
+
+
+class TokenCreated(BaseModel):
+    id: int
+    kind: Literal["user", "agent"]
+    name: str
+    token: str  # shown once
+
+
+class TokenRequest(StrictModel):
+    kind: Literal["user", "agent"] = "user"
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+class TrialView(BaseModel):
+    number: int
+    job_id: int
+    job_state: JobState
+    state: TrialState
+    params: dict[str, Any]
+    values: list[float] | None  # one per objective, once COMPLETE (PRUNED: the last intermediate value)
+    last_step: int | None  # the newest intermediate value reported to Optuna
+    reason: str | None
+    best: bool = False  # the best trial, or on the Pareto front of a multi-objective study
+    best_so_far: float | None = None  # single objective: the best COMPLETE value up to this trial
+    created_at: datetime
+    ended_at: datetime | None
+
+
+class Study(BaseModel):
+    id: int
+    name: str
+    state: StudyState
+    reason: str | None
+    owner: str
+    spec: StudySpec
+    optuna_study_name: str
+    created_at: datetime
+    ended_at: datetime | None
+    trial_counts: dict[str, int]  # by TrialState
+    best_values: list[float] | None
+    best_trial: int | None
+
+
+class StudyDetail(Study):
+    version: str  # changes whenever a trial or the study changes: pass it back to long-poll
+    trials: list[TrialView]
+
+
+class StudyBest(BaseModel):
+    study_id: int
+    directions: list[Direction]
+    trials: list[TrialView]  # the best one; every trial on the Pareto front when multi-objective
+
+
+class ParamImportances(BaseModel):
+    study_id: int
+    method: str
+    importances: dict[str, float]
+    note: str | None = None
