@@ -24,12 +24,13 @@ COPY pyproject.toml README.md* ./
 # The packages pyproject.toml installs ([tool.setuptools.packages.find]); tests/unit/test_compose.py
 # checks that this list and that one agree.
 COPY phalanx ./phalanx
+COPY stack ./stack
 COPY server ./server
 COPY scheduler ./scheduler
 COPY worker_agent ./worker_agent
 COPY web ./web
 COPY migrations ./migrations
-RUN pip install . && python -c "import phalanx.cli.main, server.app, scheduler.tasks, worker_agent.agent"
+RUN pip install . && python -c "import stack.cli, server.app, scheduler.tasks, worker_agent.agent"
 
 # --- runtime --------------------------------------------------------------------------------------
 FROM python:3.11-slim
