@@ -24,6 +24,7 @@ COPY pyproject.toml README.md* ./
 # The packages pyproject.toml installs ([tool.setuptools.packages.find]); tests/unit/test_compose.py
 # checks that this list and that one agree.
 COPY phalanx ./phalanx
+COPY stack ./stack
 COPY server ./server
 COPY scheduler ./scheduler
 COPY worker_agent ./worker_agent
@@ -32,7 +33,7 @@ COPY migrations ./migrations
 # The examples extra too: the agents of this image run the example jobs (docker-compose.yml's
 # first submit is examples/digits, which loads scikit-learn's dataset).
 RUN pip install '.[examples]' \
-    && python -c "import phalanx.cli.main, server.app, scheduler.tasks, worker_agent.agent, sklearn.datasets"
+    && python -c "import stack.cli, server.app, scheduler.tasks, worker_agent.agent, sklearn.datasets"
 
 # --- runtime --------------------------------------------------------------------------------------
 FROM python:3.11-slim

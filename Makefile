@@ -41,7 +41,7 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy phalanx server scheduler worker_agent
+	$(VENV)/bin/mypy phalanx stack server scheduler worker_agent
 
 format: install
 	$(VENV)/bin/ruff format .

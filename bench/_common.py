@@ -8,10 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +21,10 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from phalanx.cli.stack import EmbeddedStack, StackError
 from phalanx.client import Client, load_job_file
 from phalanx.schemas import JobDetail, JobSpec
+from stack.embedded import PHALANX, EmbeddedStack, StackError
+from stack.supervisor import ChildExited, Supervisor, WaitTimedOut, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS_JOB = REPO / "examples" / "digits" / "job.yaml"
@@ -35,7 +33,6 @@ PG_ADMIN = os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5
 REDIS_URL = os.environ.get("PHALANX_BENCH_REDIS", "redis://127.0.0.1:6379/10")
 ADMIN_TOKEN = "phx_u_bench-admin-token"
 AGENT_TOKEN = "phx_a_bench-agent-token"
-PHALANX = [sys.executable, "-m", "phalanx.cli.main"]
 FIRST_STEP = re.compile(r"phalanx-first-step ([0-9.]+)")
 STEPS_PER_SECOND = re.compile(r"phalanx-steps-per-second ([0-9.]+)")
 # A pause before every run, so that what the previous one left running (a stack finishing its
@@ -71,13 +68,6 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def without_phalanx_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
 
@@ -96,16 +86,6 @@ def parse_training_output(text: str, launched: float, what: str) -> TrainingRun:
     return TrainingRun(launched, float(first.group(1)), float(rate.group(1)))
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 1) -> TrainingRun:
     """The digits example under two plain torchrun nodes (1 rank each, static rendezvous on loopback).
 
@@ -115,12 +95,11 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
     _, workdir = digits_spec(epochs)
     env = {**without_phalanx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
-        outputs = [Path(tmp) / f"node{rank}.log" for rank in (0, 1)]
+        nodes = Supervisor(Path(tmp), env=env, grace=5.0)
         try:
             launched = time.time()
-            for node_rank, output in enumerate(outputs):
+            for node_rank in (0, 1):
                 argv = [
                     sys.executable,
                     "-m",
@@ -136,16 +115,14 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
                     f"--epochs={epochs}",
                     f"--checkpoint-every={checkpoint_every}",
                 ]
-                with open(output, "wb") as out:
-                    procs.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT))
+                nodes.spawn(f"node{node_rank}", argv, cwd=workdir)
             deadline = time.monotonic() + timeout
-            for proc in procs:
+            for proc in nodes.children.values():
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            codes = [proc.returncode for proc in nodes.children.values()]
         finally:
-            for proc in procs:
-                stop_process(proc, grace=5.0)
-        text = outputs[0].read_text(errors="replace")
-        codes = [proc.returncode for proc in procs]
+            nodes.close()
+        text = nodes.log("node0")
         if any(codes):
             raise BenchError(f"plain torchrun exited with {codes}:\n{text[-3000:]}")
         return parse_training_output(text, launched, "plain torchrun")
@@ -214,38 +191,36 @@ def fresh_database(prefix: str = "phalanx_bench") -> Iterator[str]:
 
 
 class ProcessGroup:
-    """Phalanx components as child processes, each logging to a file; closed agents first."""
+    """Phalanx components as supervised child processes (stack.supervisor), each logging to a file;
+    closed agents first; a component that dies, or a wait that times out, raises BenchError."""
 
     def __init__(self, logs: Path, env: dict[str, str]) -> None:
         self.logs = logs
-        self.env = env
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        logs.mkdir(parents=True, exist_ok=True)
+        self.supervisor = Supervisor(logs, env=env)
 
     def spawn(self, name: str, *args: str) -> None:
-        with open(self.logs / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen([*PHALANX, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        self.procs.append((name, proc))
+        self.supervisor.spawn(name, [*PHALANX, *args])
 
     def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise BenchError(f"the {name} process exited with {proc.returncode}:\n{tail}")
+        try:
+            self.supervisor.check()
+        except ChildExited as exc:
+            raise BenchError(f"{exc}:\n{self.supervisor.log(exc.name)[-3000:]}") from exc
 
     def wait_until(self, predicate: Callable[[], object], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.check()
-            if time.monotonic() > deadline:
-                raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(0.1)
+        try:
+            self.supervisor.wait_until(predicate, timeout, what)
+        except ChildExited as exc:
+            raise BenchError(f"{exc}:\n{self.supervisor.log(exc.name)[-3000:]}") from exc
+        except WaitTimedOut as exc:
+            raise BenchError(str(exc)) from exc
+
+    def pids(self) -> list[int]:
+        return self.supervisor.pids()
 
     def close(self) -> None:
         # Agents first (started last): they stop their workers while the server still listens.
-        for _name, proc in reversed(self.procs):
-            stop_process(proc)
-        self.procs.clear()
+        self.supervisor.close()
 
 
 def start_server(group: ProcessGroup, port: int) -> str:
@@ -333,7 +308,7 @@ def postgres_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack
                         60,
                         f"{agents} agents to register",
                     )
-                    yield RunningStack(client, group.check, lambda: [p.pid for _, p in group.procs])
+                    yield RunningStack(client, group.check, group.pids)
                     group.check()
             finally:
                 group.close()
@@ -347,12 +322,12 @@ def embedded_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack
 
         def check() -> None:
             try:
-                stack._check_children()  # the stack has no public liveness check
+                stack.check()
             except StackError as exc:
                 raise BenchError(str(exc)) from exc
 
         with keep_logs_on_failure(stack.data_dir / "logs"), stack, stack.client() as client:
-            yield RunningStack(client, check, lambda: [p.pid for _, p in stack._procs])
+            yield RunningStack(client, check, lambda: list(stack.pids().values()))
             check()  # a component that died mid-run makes the figures suspect
 
 

@@ -35,8 +35,9 @@ if __package__ in (None, ""):
 import contextlib
 
 from bench._common import wait_quiet
-from phalanx.cli.stack import EmbeddedStack
 from phalanx.client import Client, load_job_file
+from stack.embedded import EmbeddedStack
+from stack.supervisor import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "examples" / "digits"
@@ -162,8 +163,7 @@ def agent_loss(stack: EmbeddedStack) -> float:
         try:
             wait(lambda: client.checkpoints(job.id), 120, "a committed checkpoint", interval=0.2)
             victim = client.get_job(job.id).allocations[-1].nodes[1].agent_name
-            agent = next(p for name, p in stack._procs if name == victim)
-            tree = psutil.Process(agent.pid)
+            tree = psutil.Process(stack.pids()[victim])
             killed = time.time()
             for proc in [*tree.children(recursive=True), tree]:
                 proc.kill()
@@ -175,12 +175,12 @@ def agent_loss(stack: EmbeddedStack) -> float:
 
 
 def stack_pids(stack: EmbeddedStack) -> Callable[[], list[int]]:
-    return lambda: [proc.pid for _name, proc in stack._procs]
+    return lambda: list(stack.pids().values())
 
 
 def run(repeat: int = 3) -> dict[str, object]:
     plain, ours = [], []
-    with tempfile.TemporaryDirectory() as data, EmbeddedStack(port=_free_port(), data_dir=Path(data)) as stack:
+    with tempfile.TemporaryDirectory() as data, EmbeddedStack(port=free_port(), data_dir=Path(data)) as stack:
         for _ in range(repeat):  # interleaved: drift of the machine hits both alike
             wait_quiet(stack_pids(stack))
             plain.append(torchrun_restart())
@@ -191,7 +191,7 @@ def run(repeat: int = 3) -> dict[str, object]:
         # a third agent to move to; the one killed is not restarted, so each run has a fresh stack
         with (
             tempfile.TemporaryDirectory() as data,
-            EmbeddedStack(port=_free_port(), data_dir=Path(data), agents=3) as stack,
+            EmbeddedStack(port=free_port(), data_dir=Path(data), agents=3) as stack,
         ):
             wait_quiet(stack_pids(stack))
             losses.append(agent_loss(stack))
@@ -212,15 +212,6 @@ def run(repeat: int = 3) -> dict[str, object]:
         "goal_agent_kill_s": timeout + 3,
         "ok": ratio <= 1.2 and lost <= timeout + 3,
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def main() -> None:

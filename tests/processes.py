@@ -1,12 +1,13 @@
 """Run Phalanx components as real, separate processes for integration and end-to-end tests.
 
-Each component runs the same CLI command a deployment (and docker-compose.yml) runs.
+Each component runs the same CLI command a deployment (and docker-compose.yml) runs, under the
+one process supervisor (stack.supervisor) that `phalanx up` uses too.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -15,18 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from phalanx.client import Client
+from stack.supervisor import Supervisor, free_port
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 
-PHALANX = [sys.executable, "-m", "phalanx.cli.main"]
+PHALANX = [sys.executable, "-m", "stack"]  # the whole `phalanx` command: user commands and launchers
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -42,14 +39,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 class Stack:
-    """Server, scheduler(s) and agents as child processes sharing one database and broker."""
+    """Server, scheduler(s) and agents as child processes sharing one database and broker.
+
+    The children are supervised (stack.supervisor): each logs to `<tmp>/logs/<name>.log`, and dies
+    with the test process even when that one is killed."""
 
     def __init__(self, tmp: Path, database_url: str, broker_url: str, **env: str) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.logs = tmp / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {
             **os.environ,
             "PHALANX_DATA_DIR": str(tmp / "data"),
@@ -63,15 +62,15 @@ class Stack:
             "PHALANX_LOG_LEVEL": "info",
             **env,
         }
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.supervisor = Supervisor(self.logs, env=self.env, grace=30.0)
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        return self.supervisor.children
 
     def spawn(self, name: str, *args: str, netns: str | None = None) -> subprocess.Popen[bytes]:
-        out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        proc = subprocess.Popen([*prefix, *PHALANX, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        self.procs[name] = proc
-        return proc
+        return self.supervisor.spawn(name, [*prefix, *PHALANX, *args])
 
     def start_server(self, host: str | None = None) -> None:
         """Listen on loopback, or on `host` (then the stack's URL points there)."""
@@ -129,40 +128,18 @@ class Stack:
         return False
 
     def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")
+        return self.supervisor.log(name)
 
     def client(self) -> Client:
         return Client(self.url, ADMIN_TOKEN)
 
-    def stop(self, name: str, sig: int = 15) -> None:
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Signal a component; whatever of its process tree outlives it (a torchrun tree
         after a kill -9, say) is killed too, so no test leaves a process behind."""
-        import psutil
-
-        proc = self.procs.pop(name)
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        if proc.poll() is None:
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for child in children:
-            try:
-                child.wait(timeout=5)
-            except psutil.TimeoutExpired:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
+        self.supervisor.stop(name, sig)
 
     def dump(self) -> str:
         """Every component's thread stacks (SIGUSR1) and log tail: what a failed test shows."""
-        import signal
-
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGUSR1)
@@ -171,8 +148,7 @@ class Stack:
 
     def close(self) -> None:
         # agents first: they stop their workers and report while the server still listens
-        for name in sorted(self.procs, key=lambda n: n in ("server", "scheduler")):
-            self.stop(name)
+        self.supervisor.close(order=[name for name in self.procs if name not in ("server", "scheduler")])
 
 
 def cli(stack: Stack, *args: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
@@ -224,4 +200,33 @@ def processes_with_env(name: str, value: str, **more: str) -> list[int]:
         variables = set(environ.split(b"\0"))
         if all(marker in variables for marker in markers):
             found.append(int(entry.name))
+    return found
+
+
+@contextmanager
+def adopting_orphans() -> Iterator[None]:
+    """Make this process a child subreaper for the block: what the trees it starts leave behind
+    is reparented here, not to an init that may never reap it (this machine's does not), so that
+    psutil.wait_procs sees those processes end, and reaps them."""
+    import ctypes
+
+    set_child_subreaper = 36  # PR_SET_CHILD_SUBREAPER
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    if prctl(set_child_subreaper, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    try:
+        yield
+    finally:
+        prctl(set_child_subreaper, 0, 0, 0, 0)
+
+
+def survivors(procs: list[psutil.Process], timeout: float) -> list[str]:
+    """Wait up to `timeout` s for `procs` to end; describe those still running then (none: [])."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    found = []
+    for proc in alive:
+        try:
+            found.append(f"{proc.pid} {proc.status()} {' '.join(proc.cmdline())[:200]}")
+        except psutil.NoSuchProcess:
+            continue
     return found

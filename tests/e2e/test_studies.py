@@ -15,9 +15,9 @@ import optuna
 import pytest
 import yaml
 
-from phalanx.cli.stack import EmbeddedStack
 from phalanx.client import Client, load_job_file, load_study_file
 from phalanx.schemas import JobState, StudyDetail, StudySpec, StudyState, TrialState
+from stack.embedded import EmbeddedStack
 from tests.processes import REPO, Stack, cli, free_port, wait_for
 
 pytestmark = pytest.mark.e2e

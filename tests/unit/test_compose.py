@@ -27,8 +27,8 @@ import yaml
 
 import server.db
 import server.settings
-from phalanx.cli import main as cli
 from server.settings import Settings
+from stack import cli
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -198,7 +198,7 @@ def test_docker_compose_v1_accepts_the_file_when_installed() -> None:
 def cli_help(path: Command) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
     return subprocess.run(
-        [sys.executable, "-m", "phalanx.cli.main", *path, "--help"],
+        [sys.executable, "-m", "stack", *path, "--help"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from stack.supervisor import free_port
 from worker_agent.warm import WarmTorchrun
 
 SCRIPT = """
@@ -28,14 +29,6 @@ def torchrun_args(port: int, script: Path) -> list[str]:
         sys.executable,
         str(script),
     ]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_warm_torchrun_runs_the_command_with_exactly_its_env_and_cwd(tmp_path: Path) -> None:

@@ -1,0 +1,209 @@
+"""Jobs: `submit`, `jobs list|show|logs|kill|pause|resume`, and a job's `checkpoints`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from phalanx.cli.live import follow
+from phalanx.cli.output import JsonOpt, api, console, fail, fmt_metrics, print_json
+from phalanx.client import SpecError
+from phalanx.schemas import JobState, JobView
+
+app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
+checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
+
+
+def submit(
+    file: Annotated[Path, typer.Argument(help="A job file (YAML).")],
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job and exit with its outcome.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a job file; its workdir is uploaded with it."""
+    with api() as client:
+        try:
+            job = client.submit_file(file)
+        except SpecError as exc:
+            fail(str(exc), 2)
+        if as_json and not wait:
+            print_json({"id": job.id, "name": job.name, "state": job.state.value})
+            return
+        if not as_json:
+            console.print(f"submitted job [bold]{job.id}[/] ({job.name}); `phalanx jobs show {job.id}` for details")
+        if wait:
+            final = client.wait(job.id) if as_json else follow(client, job.id)
+            if as_json:
+                print_json({"id": final.id, "name": final.name, "state": final.state.value})
+            raise typer.Exit(0 if final.state is JobState.COMPLETED else 1)
+
+
+def restart_budgets(job: JobView) -> str:
+    """Used/allowed restarts: the job's own failures, then lost infrastructure (its own budget)."""
+    return f"{job.restarts_used}/{job.spec.max_restarts} infra {job.infra_restarts_used}/{job.spec.max_infra_restarts}"
+
+
+@app.command("list")
+def jobs_list(
+    state: Annotated[JobState | None, typer.Option(help="Only jobs in this state.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List jobs, newest first."""
+    with api() as client:
+        jobs = client.list_jobs(state.value if state else None, limit)
+    if as_json:
+        print_json(jobs)
+        return
+    table = Table()
+    for column in ("id", "name", "state", "owner", "nodes x slots", "restarts", "step", "metrics", "note"):
+        table.add_column(column)
+    for job in jobs:
+        res = job.spec.resources
+        note = job.wait_reason if job.state is JobState.QUEUED else (job.failure_reason or "")
+        table.add_row(
+            str(job.id),
+            job.name,
+            job.state.value,
+            job.owner,
+            f"{res.nodes}x{res.slots_per_node} {res.slot_type.value}",
+            restart_budgets(job),
+            "-" if job.latest_step is None else str(job.latest_step),
+            fmt_metrics(job.latest_metrics),
+            note or "",
+        )
+    console.print(table)
+
+
+@app.command("show")
+def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
+    """A job's state, why it waits or failed, latest metrics, attempts and events."""
+    with api() as client:
+        job = client.get_job(job_id)
+    if as_json:
+        print_json(job)
+        return
+    console.print(f"[bold]job {job.id}[/] {job.name}  state [bold]{job.state.value}[/]  owner {job.owner}")
+    console.print(f"restarts used: {restart_budgets(job)}")
+    if job.state is JobState.QUEUED and job.wait_reason:
+        console.print(f"waiting: {job.wait_reason}")
+    if job.failure_reason:
+        console.print(f"[red]failed:[/] {job.failure_reason}")
+    if job.latest_metrics:
+        console.print(f"step {job.latest_step}: {fmt_metrics(job.latest_metrics)}")
+    for allocation in job.allocations:
+        nodes = ", ".join(
+            f"node {n.node_rank}@{n.agent_name} {n.state.value}"
+            + ("" if n.exit_code is None else f" exit {n.exit_code}")
+            for n in allocation.nodes
+        )
+        port = allocation.master_port or "-"
+        console.print(f"attempt {allocation.attempt}: master {allocation.master_addr}:{port}  {nodes}")
+    table = Table(title="events")
+    for column in ("time", "from", "to", "reason"):
+        table.add_column(column)
+    for event in job.events:
+        table.add_row(
+            str(event.time),
+            event.from_state.value if event.from_state else "",
+            event.to_state.value,
+            event.reason,
+        )
+    console.print(table)
+
+
+@app.command("logs")
+def jobs_logs(
+    job_id: int,
+    follow_logs: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines.")] = False,
+    rank: Annotated[int | None, typer.Option(help="Only this global rank.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A job's output, every rank interleaved (prefixed) or one rank."""
+    with api() as client:
+        after, ended = 0, False
+        while True:
+            lines = client.logs(job_id, rank=rank, after=after, limit=5000)
+            for line in lines:
+                if as_json:
+                    sys.stdout.write(line.model_dump_json() + "\n")
+                else:
+                    who = "launcher" if line.rank is None else f"rank {line.rank}"
+                    sys.stdout.write(f"[{who}] {line.line}\n")
+            sys.stdout.flush()
+            if lines:
+                after = lines[-1].id
+                continue
+            if not follow_logs or ended:
+                return
+            # One more read after the job ends: lines shipped just before the end.
+            ended = client.get_job(job_id).state.is_terminal
+            if not ended:
+                time.sleep(0.5)
+
+
+@app.command("kill")
+def jobs_kill(job_id: int, as_json: JsonOpt = False) -> None:
+    """Cancel a job: its workers get SIGTERM, then SIGKILL after the grace period."""
+    with api() as client:
+        _print_state(client.kill_job(job_id), as_json)
+
+
+def _print_state(job: JobView, as_json: bool) -> None:
+    if as_json:
+        print_json({"id": job.id, "state": job.state.value})
+    else:
+        console.print(f"job {job.id} {job.state.value}")
+
+
+@app.command("pause")
+def jobs_pause(job_id: int, as_json: JsonOpt = False) -> None:
+    """SIGTERM the workers so they checkpoint and leave; `jobs resume` continues from there."""
+    with api() as client:
+        _print_state(client.pause_job(job_id), as_json)
+
+
+@app.command("resume")
+def jobs_resume(job_id: int, as_json: JsonOpt = False) -> None:
+    """Queue a paused job again; it starts from its newest checkpoint."""
+    with api() as client:
+        _print_state(client.resume_job(job_id), as_json)
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(job_id: int, as_json: JsonOpt = False) -> None:
+    """Committed checkpoints of a job, oldest first."""
+    with api() as client:
+        rows = client.checkpoints(job_id)
+    if as_json:
+        print_json(rows)
+        return
+    table = Table()
+    for column in ("step", "attempt", "size", "metrics", "created", "path"):
+        table.add_column(column)
+    for c in rows:
+        size = f"{c.size_bytes / 2**20:.1f} MiB"
+        table.add_row(str(c.step), str(c.attempt), size, fmt_metrics(c.metrics), str(c.created_at), c.path)
+    console.print(table)
+
+
+@checkpoints_app.command("download")
+def checkpoints_download(
+    job_id: int,
+    args: Annotated[list[str], typer.Argument(help="[STEP] DIR: the step (default: newest) and where to unpack")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Download a checkpoint's files into DIR."""
+    if len(args) not in (1, 2) or (len(args) == 2 and not args[0].isdigit()):
+        fail("usage: phalanx checkpoints download JOB [STEP] DIR", 2)
+    step = int(args[0]) if len(args) == 2 else None
+    with api() as client:
+        chosen = client.download_checkpoint(job_id, args[-1], step)
+    if as_json:
+        print_json(chosen)
+    else:
+        console.print(f"checkpoint of step {chosen.step} (attempt {chosen.attempt}) unpacked into {args[-1]}")
