@@ -11,6 +11,7 @@ passes and study drivers that must follow are noted by the rules and carried out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import BinaryIO
 
 from sqlalchemy import select
@@ -21,7 +22,7 @@ from server import access, agents, jobs, studies, views
 from server.auth import Principal
 from server.bundles import store_bundle
 from server.errors import NotFound
-from server.models import Checkpoint
+from server.models import Checkpoint, Job, TuningStudy
 from server.settings import Settings
 from server.transitions import COMMITTED
 
@@ -42,25 +43,29 @@ def submit_job(
         return views.job(session, job, latest=False)
 
 
-def kill_job(session: Session, principal: Principal, job_id: int) -> schemas.JobView:
+def _change_job(
+    session: Session, principal: Principal, job_id: int, change: Callable[[Session, Job], object]
+) -> schemas.JobView:
+    """`change` the job the principal may see, under its row lock."""
     with session.begin():
         job = access.job_for(session, principal, job_id, lock=True)
-        jobs.kill_job(session, job)
+        change(session, job)
         return views.job(session, job)
+
+
+def kill_job(session: Session, principal: Principal, job_id: int) -> schemas.JobView:
+    """CANCELLED at once; its workers are stopped (409 for a job that already ended)."""
+    return _change_job(session, principal, job_id, jobs.kill_job)
 
 
 def pause_job(session: Session, principal: Principal, job_id: int) -> schemas.JobView:
-    with session.begin():
-        job = access.job_for(session, principal, job_id, lock=True)
-        jobs.pause_job(session, job)
-        return views.job(session, job)
+    """PAUSED; its workers checkpoint and leave (409 unless it is queued or running)."""
+    return _change_job(session, principal, job_id, jobs.pause_job)
 
 
 def resume_job(session: Session, principal: Principal, job_id: int) -> schemas.JobView:
-    with session.begin():
-        job = access.job_for(session, principal, job_id, lock=True)
-        jobs.resume_job(session, job)
-        return views.job(session, job)
+    """QUEUED again, to resume from its newest checkpoint (409 unless it is PAUSED)."""
+    return _change_job(session, principal, job_id, jobs.resume_job)
 
 
 def committed_checkpoint_path(session: Session, principal: Principal, job_id: int, step: int) -> str:
@@ -88,18 +93,24 @@ def submit_study(
         return views.study(session, row)
 
 
-def stop_study(session: Session, principal: Principal, study_id: int) -> schemas.Study:
+def _change_study(
+    session: Session, principal: Principal, study_id: int, change: Callable[[Session, TuningStudy], object]
+) -> schemas.Study:
+    """`change` the study the principal may see, under its row lock."""
     with session.begin():
         row = access.study_for(session, principal, study_id, lock=True)
-        studies.stop_study(session, row)
+        change(session, row)
         return views.study(session, row)
+
+
+def stop_study(session: Session, principal: Principal, study_id: int) -> schemas.Study:
+    """No new trials; the running ones pause (409 unless it is RUNNING)."""
+    return _change_study(session, principal, study_id, studies.stop_study)
 
 
 def resume_study(session: Session, principal: Principal, study_id: int) -> schemas.Study:
-    with session.begin():
-        row = access.study_for(session, principal, study_id, lock=True)
-        studies.resume_study(session, row)
-        return views.study(session, row)
+    """The paused trials queue again and the driver goes on (409 unless it is STOPPED)."""
+    return _change_study(session, principal, study_id, studies.resume_study)
 
 
 def drain_agent(session: Session, principal: Principal, agent_id: int) -> schemas.AgentView:
