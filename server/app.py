@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from server import auth, dashboard, task_queue
 from server.api import agents, allocations, jobs, ops, studies, tokens
 from server.api.deps import Services, get_principal, install_services
+from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
@@ -70,6 +71,8 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         ),
     )
     install_handlers(app, pages=dashboard_render.error_page)
+    # outermost of ours: a body is capped before anything reads it, authentication included
+    app.add_middleware(BodyCapMiddleware, cap=caps_for(settings))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

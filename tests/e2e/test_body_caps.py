@@ -1,0 +1,83 @@
+"""Hostile bodies against a real server process: an unauthenticated 512 MiB body is refused while
+it streams, before anything parses it, and the server's memory does not follow it."""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.processes import Stack
+
+HUGE = 512 << 20
+CHUNK = 1 << 20
+
+
+@pytest.fixture
+def server(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path, clean_db, clean_redis)
+    try:
+        stack.start_server()
+        yield stack
+    finally:
+        stack.close()
+
+
+def send_headers(port: int, headers: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(headers.encode())
+    return sock
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+def test_a_declared_huge_body_is_refused_before_a_byte_is_read(server: Stack) -> None:
+    started = time.monotonic()
+    sock = send_headers(
+        server.port,
+        f"POST /api/v1/tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {HUGE}\r\n\r\n",
+    )
+    with sock:
+        answer = read_answer(sock)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert time.monotonic() - started < 10
+
+
+def test_a_streamed_huge_body_is_cut_off_and_memory_stays_flat(server: Stack) -> None:
+    process = psutil.Process(server.procs["server"].pid)
+    before = process.memory_info().rss
+    started = time.monotonic()
+    sock = send_headers(
+        server.port,
+        "POST /api/v1/tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n",
+    )
+    sent, block = 0, b"0" * CHUNK
+    with sock:
+        while sent < HUGE:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the server answered (and stops reading)
+            try:
+                sock.sendall(f"{CHUNK:x}\r\n".encode() + block + b"\r\n")
+            except OSError:  # it closed the connection after answering
+                break
+            sent += CHUNK
+        answer = read_answer(sock)
+    grown = process.memory_info().rss - before
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < HUGE, "the server read the whole body"
+    assert grown < 64 << 20, f"the server grew by {grown >> 20} MiB"
+    assert time.monotonic() - started < 10
