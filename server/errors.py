@@ -74,10 +74,15 @@ def install_handlers(app: FastAPI, pages: Callable[[Request, PhalanxError], Resp
         return JSONResponse({"error": exc.message, "detail": exc.detail}, exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        if errors and all(err.get("loc", ("",))[0] == "path" for err in errors):
+            # a path naming no row that could exist (id 0, past 2^31, not a number) names nothing
+            named = ", ".join(f"{err['loc'][-1]} {err.get('input')!s:.40}" for err in errors)
+            return await _domain(request, NotFound(f"there is no {named}: no such row can exist"))
         problems = [
             {"field": ".".join(str(p) for p in err.get("loc", ()) if p != "body"), "problem": err.get("msg")}
-            for err in exc.errors()
+            for err in errors
         ]
         summary = "; ".join(f"{p['field'] or 'body'}: {p['problem']}" for p in problems)
         return JSONResponse({"error": f"invalid request: {summary}", "detail": problems}, 422)

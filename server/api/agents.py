@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import agents, attempts, commands, views
-from server.api.deps import AgentDep, Services, ServicesDep, SessionDep, UserDep, read_capped_body
+from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep, read_capped_body
 from server.checkpoints import storage_for
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import from_unix
@@ -46,7 +46,7 @@ def register(registration: schemas.AgentRegistration, session: SessionDep, _: Ag
 
 
 @router.post("/{agent_id}/heartbeat", status_code=204)
-def heartbeat(agent_id: int, session: SessionDep, _: AgentDep) -> Response:
+def heartbeat(agent_id: RowId, session: SessionDep, _: AgentDep) -> Response:
     with session.begin():
         agents.heartbeat(session, agent_id)
     return Response(status_code=204)
@@ -104,14 +104,14 @@ def _resume_point(session: Session, allocation: Allocation) -> schemas.ResumePoi
 
 
 @router.post("/{agent_id}/drain", response_model=schemas.AgentView)
-def drain(agent_id: int, session: SessionDep, user: UserDep) -> schemas.AgentView:
+def drain(agent_id: RowId, session: SessionDep, user: UserDep) -> schemas.AgentView:
     """Stop placing work on the agent; its attempts checkpoint, stop, and restart elsewhere."""
     return commands.drain_agent(session, user, agent_id)
 
 
 @router.get("/{agent_id}/work", response_model=schemas.AgentWork)
 async def agent_work(
-    agent_id: int,
+    agent_id: RowId,
     request: Request,
     services: ServicesDep,
     _: AgentDep,
@@ -167,7 +167,7 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
 def rendezvous(
-    agent_id: int, allocation_id: int, body: schemas.Rendezvous, session: SessionDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, session: SessionDep, _: AgentDep
 ) -> Response:
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
     with session.begin():
@@ -181,7 +181,7 @@ def rendezvous(
 
 @router.post("/{agent_id}/allocations/{allocation_id}/started", status_code=204)
 def node_started(
-    agent_id: int, allocation_id: int, body: schemas.NodeStarted, session: SessionDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, session: SessionDep, _: AgentDep
 ) -> Response:
     with session.begin():
         allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
@@ -190,7 +190,9 @@ def node_started(
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/exit", status_code=204)
-def node_exit(agent_id: int, allocation_id: int, body: schemas.NodeExit, session: SessionDep, _: AgentDep) -> Response:
+def node_exit(
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, session: SessionDep, _: AgentDep
+) -> Response:
     with session.begin():
         allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
         attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason)
@@ -199,7 +201,7 @@ def node_exit(agent_id: int, allocation_id: int, body: schemas.NodeExit, session
 
 @router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)
 async def ship_logs(
-    agent_id: int, allocation_id: int, request: Request, services: ServicesDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, _: AgentDep
 ) -> Response:
     raw = await read_capped_body(request, services.settings.max_log_batch_bytes, "the log batch")
     try:

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import attempts, checkpoints, views
-from server.api.deps import AgentDep, Services, ServicesDep, SessionDep, SettingsDep, read_capped_body
+from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, SettingsDep, read_capped_body
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import first_delivery, insert_metrics, record_progress
 from server.models import Allocation, TuningStudy, TuningTrial
@@ -21,7 +21,7 @@ router = APIRouter(prefix="/allocations", tags=["allocations"])
 
 
 @router.post("/{allocation_id}/metrics", status_code=204)
-async def post_metrics(allocation_id: int, request: Request, services: ServicesDep, _: AgentDep) -> Response:
+async def post_metrics(allocation_id: RowId, request: Request, services: ServicesDep, _: AgentDep) -> Response:
     """Store a batch of `report()` records. 409 once the allocation is superseded or ended."""
     raw = await read_capped_body(request, services.settings.max_metric_batch_bytes, "the metric batch")
     try:
@@ -70,7 +70,7 @@ def objective_metrics(services: Services, session: Session, study_id: int) -> fr
 
 @router.post("/{allocation_id}/checkpoints", status_code=201, response_model=schemas.CheckpointView)
 def commit_checkpoint(
-    allocation_id: int,
+    allocation_id: RowId,
     body: schemas.CheckpointCommit,
     session: SessionDep,
     settings: SettingsDep,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Path, Request
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
@@ -112,6 +112,13 @@ async def read_capped_body(request: Request, limit: int, what: str) -> bytes:
         raise TooLarge(f"{what} is {len(body)} bytes, over the {limit}-byte limit; send smaller batches")
     return body
 
+
+# Ids as the database stores them: a path naming one outside these ranges names no row (404, see
+# `errors.py`), instead of reaching PostgreSQL as "integer out of range".
+MAX_ROW_ID = 2**31 - 1
+MAX_BIG_ID = 2**63 - 1
+RowId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
+Step = Annotated[int, Path(ge=0, le=MAX_BIG_ID)]
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -12,7 +12,18 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, checkpoints, commands, jobs, views
-from server.api.deps import AgentDep, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
+from server.api.deps import (
+    MAX_BIG_ID,
+    MAX_ROW_ID,
+    AgentDep,
+    RowId,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    Step,
+    UserDep,
+    WaiterDep,
+)
 from server.api.uploads import parse_spec, refuse_oversized
 from server.auth import Principal
 from server.errors import NotFound
@@ -42,7 +53,7 @@ def list_jobs(
     user: UserDep,
     state: schemas.JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_ROW_ID)] = 0,
 ) -> list[schemas.JobView]:
     query = access.visible_jobs(user).order_by(Job.id.desc()).limit(limit).offset(offset)
     if state is not None:
@@ -60,7 +71,7 @@ def _load_job_detail(session: Session, user: Principal, job_id: int) -> schemas.
 
 @router.get("/{job_id}", response_model=schemas.JobDetail)
 async def show_job(
-    job_id: int,
+    job_id: RowId,
     sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
@@ -85,17 +96,17 @@ async def show_job(
 
 
 @router.post("/{job_id}/kill", response_model=schemas.JobView)
-def kill_job(job_id: int, session: SessionDep, user: UserDep) -> schemas.JobView:
+def kill_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
     return commands.kill_job(session, user, job_id)
 
 
 @router.get("/{job_id}/logs", response_model=list[schemas.LogRecord])
 def job_logs(
-    job_id: int,
+    job_id: RowId,
     session: SessionDep,
     user: UserDep,
-    rank: int | None = None,
-    after: Annotated[int, Query(ge=0, description="Only lines with an id above this")] = 0,
+    rank: Annotated[int | None, Query(ge=0, le=MAX_ROW_ID)] = None,
+    after: Annotated[int, Query(ge=0, le=MAX_BIG_ID, description="Only lines with an id above this")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[schemas.LogRecord]:
     with session.begin():
@@ -108,7 +119,7 @@ def job_logs(
 
 @router.get("/{job_id}/metrics", response_model=list[schemas.MetricPoint])
 def job_metrics(
-    job_id: int,
+    job_id: RowId,
     session: SessionDep,
     user: UserDep,
     name: str | None = None,
@@ -138,7 +149,7 @@ def job_metrics(
 
 
 @router.get("/{job_id}/bundle", response_class=FileResponse)
-def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: AgentDep) -> FileResponse:
+def job_bundle(job_id: RowId, session: SessionDep, settings: SettingsDep, _: AgentDep) -> FileResponse:
     with session.begin():
         sha = jobs.get_job(session, job_id).bundle_sha256
     if sha is None:
@@ -150,26 +161,26 @@ def job_bundle(job_id: int, session: SessionDep, settings: SettingsDep, _: Agent
 
 
 @router.post("/{job_id}/pause", response_model=schemas.JobView)
-def pause_job(job_id: int, session: SessionDep, user: UserDep) -> schemas.JobView:
+def pause_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
     """SIGTERM the workers: `should_stop()` turns true, they checkpoint and exit. `resume` requeues."""
     return commands.pause_job(session, user, job_id)
 
 
 @router.post("/{job_id}/resume", response_model=schemas.JobView)
-def resume_job(job_id: int, session: SessionDep, user: UserDep) -> schemas.JobView:
+def resume_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
     """Queue a paused job again; it starts from its newest checkpoint."""
     return commands.resume_job(session, user, job_id)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[schemas.CheckpointView])
-def list_checkpoints(job_id: int, session: SessionDep, user: UserDep) -> list[schemas.CheckpointView]:
+def list_checkpoints(job_id: RowId, session: SessionDep, user: UserDep) -> list[schemas.CheckpointView]:
     with session.begin():
         access.job_for(session, user, job_id)
         return [views.checkpoint(row) for row in checkpoints.committed(session, job_id)]
 
 
 @router.get("/{job_id}/checkpoints/{step}/archive", response_class=StreamingResponse)
-def download_checkpoint(job_id: int, step: int, session: SessionDep, user: UserDep) -> StreamingResponse:
+def download_checkpoint(job_id: RowId, step: Step, session: SessionDep, user: UserDep) -> StreamingResponse:
     """The checkpoint's files as a .tar.gz, read through fsspec from wherever they are stored."""
     path = commands.committed_checkpoint_path(session, user, job_id, step)
     return StreamingResponse(checkpoints.archive(path), media_type="application/gzip")

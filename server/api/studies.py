@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, commands, views
-from server.api.deps import SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
+from server.api.deps import RowId, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
 from server.api.uploads import parse_spec, refuse_oversized
 from server.auth import Principal
 from server.errors import Conflict, Unprocessable
@@ -56,7 +56,7 @@ def _detail(session: Session, user: Principal, study_id: int) -> schemas.StudyDe
 
 @router.get("/{study_id}", response_model=schemas.StudyDetail)
 async def show_study(
-    study_id: int,
+    study_id: RowId,
     sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
@@ -79,19 +79,19 @@ async def show_study(
 
 
 @router.post("/{study_id}/stop", response_model=schemas.Study)
-def stop_study(study_id: int, session: SessionDep, user: UserDep) -> schemas.Study:
+def stop_study(study_id: RowId, session: SessionDep, user: UserDep) -> schemas.Study:
     """No new trials; running trials checkpoint and pause until `resume`."""
     return commands.stop_study(session, user, study_id)
 
 
 @router.post("/{study_id}/resume", response_model=schemas.Study)
-def resume_study(study_id: int, session: SessionDep, user: UserDep) -> schemas.Study:
+def resume_study(study_id: RowId, session: SessionDep, user: UserDep) -> schemas.Study:
     """Resume the paused trials (from their checkpoints) and start new ones up to n_trials."""
     return commands.resume_study(session, user, study_id)
 
 
 @router.get("/{study_id}/best", response_model=schemas.StudyBest)
-def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, user: UserDep) -> schemas.StudyBest:
+def best_trials(study_id: RowId, session: SessionDep, settings: SettingsDep, user: UserDep) -> schemas.StudyBest:
     """The best trial as Optuna reckons it (among equal values, the first), or the Pareto front
     of a multi-objective study."""
     import optuna
@@ -114,7 +114,7 @@ def best_trials(study_id: int, session: SessionDep, settings: SettingsDep, user:
 
 @router.get("/{study_id}/importance", response_model=schemas.ParamImportances)
 def param_importances(
-    study_id: int,
+    study_id: RowId,
     session: SessionDep,
     settings: SettingsDep,
     user: UserDep,

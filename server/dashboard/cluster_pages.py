@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from phalanx import schemas
 from server import access, commands, views
-from server.api.deps import SessionDep
+from server.api.deps import RowId, SessionDep
 from server.auth import Principal
 from server.dashboard.job_pages import jobs_version
 from server.dashboard.render import CsrfChecked, SignedIn, render
@@ -115,6 +115,6 @@ def slot_holders(session: Session) -> dict[tuple[int, str, int], tuple[int, str,
 
 
 @router.post("/agents/{agent_id}/drain", response_model=None)
-def drain_agent(agent_id: int, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
+def drain_agent(agent_id: RowId, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
     commands.drain_agent(session, user, agent_id)
     return RedirectResponse("/agents", status_code=303)

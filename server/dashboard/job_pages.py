@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from phalanx import schemas
 from server import access, checkpoints, commands, views
-from server.api.deps import SessionDep
+from server.api.deps import RowId, SessionDep, Step
 from server.auth import Principal
 from server.dashboard import metric_series
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
@@ -41,7 +41,7 @@ def jobs_page(
     user: SignedIn,
     state: Annotated[str, Query()] = "",
     q: Annotated[str, Query(max_length=64)] = "",
-    page: Annotated[int, Query(ge=1)] = 1,
+    page: Annotated[int, Query(ge=1, le=1_000_000)] = 1,
 ) -> Response:
     chosen = state if state in schemas.JobState.__members__ else ""
     query = access.visible_jobs(user).order_by(Job.id.desc()).limit(PAGE_SIZE + 1).offset((page - 1) * PAGE_SIZE)
@@ -66,12 +66,12 @@ def jobs_page(
 
 
 @router.get("/jobs/{job_id}", response_model=None)
-def job_page(job_id: int, request: Request, session: SessionDep, user: SignedIn) -> Response:
+def job_page(job_id: RowId, request: Request, session: SessionDep, user: SignedIn) -> Response:
     return _job_page(job_id, request, session, user)
 
 
 def _job_page(
-    job_id: int, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
+    job_id: RowId, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
 ) -> Response:
     with session.begin():
         access.job_for(session, user, job_id)
@@ -98,7 +98,7 @@ def _job_page(
 
 @router.get("/jobs/{job_id}/chart-data", response_model=None)
 def chart_data(
-    job_id: int,
+    job_id: RowId,
     session: SessionDep,
     user: SignedIn,
     points: Annotated[int, Query(ge=10, le=100_000)] = metric_series.MAX_POINTS,
@@ -121,7 +121,7 @@ JOB_ACTIONS = ("kill", "pause", "resume")
 
 @router.post("/jobs/{job_id}/{action}", response_model=None)
 def job_action(
-    job_id: int, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
+    job_id: RowId, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
 ) -> Response:
     """The kill, pause and resume buttons; a refusal (the job is not in a state for it) is shown
     on the job's page."""
@@ -147,7 +147,7 @@ def _log_query(job_id: int, rank: int | None, limit: int) -> Any:
 
 @router.get("/jobs/{job_id}/logs", response_model=None)
 def logs_page(
-    job_id: int,
+    job_id: RowId,
     request: Request,
     session: SessionDep,
     user: SignedIn,
@@ -155,7 +155,7 @@ def logs_page(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 2000,
 ) -> Response:
     """The newest `limit` lines, every rank interleaved or one rank's."""
-    chosen = int(rank) if rank.isdigit() else None
+    chosen = int(rank) if rank.isdigit() and len(rank) < 10 else None  # no rank is that high
     with session.begin():
         job = access.job_for(session, user, job_id)
         lines = [views.log_record(row) for row in reversed(list(session.scalars(_log_query(job_id, chosen, limit))))]
@@ -176,7 +176,7 @@ def logs_page(
 
 
 @router.get("/jobs/{job_id}/checkpoints/{step}/archive", response_model=None)
-def checkpoint_archive(job_id: int, step: int, session: SessionDep, user: SignedIn) -> Response:
+def checkpoint_archive(job_id: RowId, step: Step, session: SessionDep, user: SignedIn) -> Response:
     """A checkpoint's files as .tar.gz, for the download links of a job's page."""
     path = commands.committed_checkpoint_path(session, user, job_id, step)
     headers = {"Content-Disposition": f'attachment; filename="job-{job_id}-step-{step}.tar.gz"'}

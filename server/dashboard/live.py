@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, views
-from server.api.deps import get_sessions, get_waiter
+from server.api.deps import MAX_BIG_ID, RowId, get_sessions, get_waiter
 from server.auth import Principal
 from server.dashboard.job_pages import jobs_version
 from server.dashboard.metric_series import points_after
@@ -123,11 +123,11 @@ def _read_job(sessions: Callable[[], Session], job_id: int, metrics_after: int, 
 
 @router.get("/jobs/{job_id}/events", response_model=None)
 async def job_events(
-    job_id: int,
+    job_id: RowId,
     request: Request,
     user: SignedIn,
-    metrics_after: Annotated[int, Query(ge=-1)] = -1,
-    logs_after: Annotated[int, Query(ge=-1)] = -1,
+    metrics_after: Annotated[int, Query(ge=-1, le=MAX_BIG_ID)] = -1,
+    logs_after: Annotated[int, Query(ge=-1, le=MAX_BIG_ID)] = -1,
 ) -> EventSourceResponse:
     sessions = _sessions(request)
     await run_in_threadpool(_check_visible_job, sessions, user, job_id)
@@ -183,7 +183,7 @@ async def jobs_events(
 
 @router.get("/studies/{study_id}/events", response_model=None)
 async def study_events(
-    study_id: int, request: Request, user: SignedIn, since: Annotated[str, Query(max_length=80)] = ""
+    study_id: RowId, request: Request, user: SignedIn, since: Annotated[str, Query(max_length=80)] = ""
 ) -> EventSourceResponse:
     """`changed` when the study or a trial changes; `since`: the study's `version` on the page."""
     sessions = _sessions(request)

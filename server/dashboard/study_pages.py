@@ -11,7 +11,7 @@ from fastapi.responses import RedirectResponse, Response
 
 from phalanx import schemas
 from server import access, commands, views
-from server.api.deps import SessionDep, SettingsDep
+from server.api.deps import RowId, SessionDep, SettingsDep
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
 from server.dashboard.study_charts import (
     IMPORTANCE_METHOD,
@@ -74,7 +74,7 @@ def load_optuna(url: str, study: schemas.StudyDetail) -> optuna.Study | None:
 
 @router.get("/studies/{study_id}", response_model=None)
 def study_page(
-    study_id: int,
+    study_id: RowId,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
@@ -112,7 +112,7 @@ def study_page(
 
 @router.post("/studies/{study_id}/{action}", response_model=None)
 def study_action(
-    study_id: int, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
+    study_id: RowId, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
 ) -> Response:
     """The stop and resume buttons."""
     if action not in ("stop", "resume"):
