@@ -72,12 +72,23 @@ def to_keep(checkpoints: list[Checkpoint], policy: CheckpointPolicy) -> set[int]
 
 
 def commit(session: Session, allocation: Allocation, job: Job, body: CheckpointCommit, default_uri: str) -> Checkpoint:
-    """Record a checkpoint whose files are in place, then mark what retention drops."""
+    """Record a checkpoint whose files are in place, then mark what retention drops. Idempotent:
+    the same step and path committed again by the same attempt answers the first record."""
     if allocation.fenced or not allocation.active:
         raise Conflict(f"allocation {allocation.id} is no longer current; its checkpoint is not recorded")
     root = storage_for(job, default_uri)
     if not body.path.startswith(root + "/"):
         raise Unprocessable(f"checkpoint path {body.path!r} is outside this job's storage {root!r}")
+    earlier = session.scalars(
+        select(Checkpoint).where(Checkpoint.allocation_id == allocation.id, Checkpoint.step == body.step)
+    ).first()
+    if earlier is not None:
+        if earlier.path == body.path:
+            return earlier  # a retried commit whose answer was lost: recorded once
+        raise Conflict(
+            f"step {body.step} of attempt {allocation.attempt} was already committed at {earlier.path!r}; "
+            "an attempt commits each step once"
+        )
     row = Checkpoint(
         job_id=job.id,
         allocation_id=allocation.id,

@@ -14,6 +14,20 @@ from pydantic import BaseModel, Field
 from phalanx.schemas._base import NAME_PATTERN, StrictModel
 from phalanx.schemas.enums import Precision, SlotType
 
+# What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
+# refused here (422) instead of failing the insert.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Count32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Step64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+UnixTime = Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)]
+MetricName = Annotated[str, Field(min_length=1, max_length=128)]
+# Non-finite values are refused for now: JSON has no literal for them, and the metric pipeline
+# (`phalanx.train`) drops them before sending, counting them in its stats.
+MetricValue = Annotated[float, Field(allow_inf_nan=False)]
+MAX_RECORDS_PER_BATCH = 100_000
+MAX_VALUES_PER_RECORD = 1_000
+MAX_LINES_PER_BATCH = 100_000
+
 
 class AgentRegistration(StrictModel):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -64,44 +78,46 @@ class Rendezvous(StrictModel):
 
 
 class NodeStarted(StrictModel):
-    node_rank: int = Field(ge=0)
+    node_rank: Count32
 
 
 class NodeExit(StrictModel):
-    node_rank: int = Field(ge=0)
-    exit_code: int
+    node_rank: Count32
+    exit_code: Int32
     reason: str = Field("", max_length=4000)
 
 
 class LogLineIn(StrictModel):
-    rank: int | None = None  # None: the launcher's own output
+    rank: Count32 | None = None  # None: the launcher's own output
     stream: Literal["stdout", "stderr"] = "stdout"
-    time: float
+    time: UnixTime
     line: str
 
 
 class LogBatch(StrictModel):
-    lines: list[LogLineIn]
+    lines: Annotated[list[LogLineIn], Field(max_length=MAX_LINES_PER_BATCH)]
 
 
 class MetricRecord(StrictModel):
     """One `report()` call of one rank: several named values at one step."""
 
-    rank: int = Field(ge=0)
-    step: int
-    time: float
-    values: dict[str, float]
+    rank: Count32
+    step: Step64
+    time: UnixTime
+    values: Annotated[dict[MetricName, MetricValue], Field(max_length=MAX_VALUES_PER_RECORD)]
 
 
 class MetricBatchIn(StrictModel):
-    records: list[MetricRecord]
+    records: Annotated[list[MetricRecord], Field(max_length=MAX_RECORDS_PER_BATCH)]
     batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
 
 
 class CheckpointCommit(StrictModel):
     """Sent by rank 0 after the checkpoint's files were renamed into place."""
 
-    step: int = Field(ge=0)
+    step: Annotated[int, Field(ge=0, le=2**63 - 1)]
     path: Annotated[str, Field(min_length=1, max_length=4096)]
-    size_bytes: int = Field(ge=0)
-    metrics: dict[str, float] = Field(default_factory=dict)
+    size_bytes: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    metrics: Annotated[dict[MetricName, MetricValue], Field(max_length=MAX_VALUES_PER_RECORD)] = Field(
+        default_factory=dict
+    )

@@ -15,8 +15,9 @@ from starlette.concurrency import run_in_threadpool
 from phalanx import schemas
 from server import agents, attempts, commands, views
 from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep, read_capped_body
+from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
-from server.errors import Conflict, NotFound, Unprocessable
+from server.errors import Conflict, NotFound
 from server.ingest import from_unix
 from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
 from server.settings import Settings
@@ -207,7 +208,7 @@ async def ship_logs(
     try:
         batch = schemas.LogBatch.model_validate_json(raw)
     except ValidationError as exc:
-        raise Unprocessable(f"invalid log batch: {exc.errors()[0]['msg']}", exc.errors()) from exc
+        raise invalid_batch("log batch", exc) from exc
 
     def store() -> None:
         with services.sessions() as session, session.begin():

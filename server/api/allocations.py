@@ -11,7 +11,8 @@ from starlette.concurrency import run_in_threadpool
 from phalanx import schemas
 from server import attempts, checkpoints, views
 from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, SettingsDep, read_capped_body
-from server.errors import Conflict, NotFound, Unprocessable
+from server.api.uploads import invalid_batch
+from server.errors import Conflict, NotFound
 from server.ingest import first_delivery, insert_metrics, record_progress
 from server.models import Allocation, TuningStudy, TuningTrial
 from server.task_names import ADVANCE_STUDY_TASK
@@ -27,7 +28,7 @@ async def post_metrics(allocation_id: RowId, request: Request, services: Service
     try:
         batch = schemas.MetricBatchIn.model_validate_json(raw)
     except ValidationError as exc:
-        raise Unprocessable(f"invalid metric batch: {exc.errors()[0]['msg']}", exc.errors()[:10]) from exc
+        raise invalid_batch("metric batch", exc) from exc
 
     def store() -> None:
         """Store the batch (a retried one was stored already); the live charts are woken, and a

@@ -25,6 +25,15 @@ class InvalidSpec(Unprocessable):
         super().__init__(f"invalid {what}: {summary}", problems)
 
 
+def invalid_batch(what: str, exc: ValidationError) -> Unprocessable:
+    """422 naming the first problems of a batch, where they are (`records.3.values.loss`) and
+    without echoing the values (a NaN cannot even be written back as JSON)."""
+    errors = exc.errors(include_input=False, include_context=False, include_url=False)[:10]
+    problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in errors]
+    summary = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:3])
+    return Unprocessable(f"invalid {what}: {summary}", problems)
+
+
 def parse_spec(model: type[M], raw: str | Mapping[str, Any], what: str) -> M:
     """Validate a spec (JSON text, or a spec file's parsed YAML), or 422 with one problem per field
     (`detail`) and a summary naming them."""

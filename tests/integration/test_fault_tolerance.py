@@ -247,6 +247,20 @@ def test_retention_keeps_last_and_best_and_deletes_files_first(
     assert client.get(f"/api/v1/jobs/{job_id}/checkpoints/1/archive", headers=USER).status_code == 404
 
 
+def test_a_retried_checkpoint_commit_is_recorded_once(client: TestClient, settings: Settings) -> None:
+    """Rank 0 resends a commit whose answer it lost: the same record answers, nothing is doubled."""
+    job_id = setup_job(client, settings)
+    allocation = start_all(client, job_id)
+    root = root_of(settings, job_id)
+    first, again = commit(client, allocation["id"], root, 3), commit(client, allocation["id"], root, 3)
+    assert first.status_code == again.status_code == 201 and first.json() == again.json()
+    with session_scope(settings.database_url) as session:
+        assert session.execute(select(func.count()).select_from(Checkpoint)).scalar_one() == 1
+    elsewhere = {"step": 3, "path": f"{root}/elsewhere", "size_bytes": 1}
+    clash = client.post(f"/api/v1/allocations/{allocation['id']}/checkpoints", json=elsewhere, headers=AGENT)
+    assert clash.status_code == 409 and "already committed" in clash.json()["error"]
+
+
 def test_nodes_reporting_at_the_same_moment_each_see_the_other(client: TestClient, settings: Settings) -> None:
     """Both nodes of a gang report started, then exit, at the same instant (in two transactions):
     the job must still become RUNNING, then COMPLETED. Each report locks the job row first and

@@ -1,10 +1,19 @@
-"""Hostile input gets a clear 4xx and changes nothing: ids no row can have, out-of-range counts."""
+"""Hostile input gets a clear 4xx and changes nothing: ids no row can have, out-of-range counts,
+metric batches and agent reports the database could not store."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 
+from scheduler.service import schedule_pass
+from server.db import session_scope
+from server.models import Metric
+from server.settings import Settings
 from tests.integration.test_api import AGENT, USER
 
 PAST_INT32 = 2**31
@@ -58,3 +67,55 @@ def test_a_huge_rank_or_cursor_answers_422_not_500(client: TestClient) -> None:
     for query in (f"rank={PAST_INT32}", f"after={PAST_INT64}"):
         answer = client.get(f"/api/v1/jobs/{job_id}/logs?{query}", headers=USER)
         assert answer.status_code == 422, (query, answer.text)
+
+
+@pytest.fixture
+def allocation_id(client: TestClient, settings: Settings) -> int:
+    """A placed one-node job's allocation."""
+    submitted = client.post(
+        "/api/v1/jobs",
+        files={"spec": (None, '{"name": "j", "entrypoint": "python t.py"}', "application/json")},
+        headers=USER,
+    )
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+    detail = client.get(f"/api/v1/jobs/{submitted.json()['id']}", headers=USER).json()
+    return int(detail["allocations"][-1]["id"])
+
+
+def record(**overrides: Any) -> dict[str, Any]:
+    return {"rank": 0, "step": 1, "time": 1.0, "values": {"loss": 0.5}, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ('{"records": [{"rank": 0, "step": 1, "time": 1.0, "values": {"loss": NaN}}]}', "finite"),
+        ('{"records": [{"rank": 0, "step": 1, "time": 1.0, "values": {"loss": Infinity}}]}', "finite"),
+        (json.dumps({"records": [record(values={"x" * 200: 1.0})]}), "at most 128 characters"),
+        (json.dumps({"records": [record(step=2**63)]}), "less than or equal"),
+        (json.dumps({"records": [record(rank=2**31)]}), "less than or equal"),
+        (json.dumps({"records": [record(time=1e300)]}), "less than or equal"),
+        (json.dumps({"records": [record(values={"": 1.0})]}), "at least 1 character"),
+    ],
+)
+def test_a_bad_metric_batch_answers_422_and_stores_nothing(
+    client: TestClient, settings: Settings, allocation_id: int, raw: str, problem: str
+) -> None:
+    answer = client.post(
+        f"/api/v1/allocations/{allocation_id}/metrics",
+        content=raw,
+        headers={**AGENT, "Content-Type": "application/json"},
+    )
+    assert answer.status_code == 422 and problem in answer.text, answer.text
+    with session_scope(settings.database_url) as session:
+        assert session.scalar(select(func.count()).select_from(Metric)) == 0
+
+
+def test_checkpoint_metrics_and_node_reports_are_bounded(client: TestClient, allocation_id: int) -> None:
+    commit = {"step": 1, "path": "file:///x/job-1/step-1", "size_bytes": 1, "metrics": {"loss": "NaN"}}
+    answer = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=commit, headers=AGENT)
+    assert answer.status_code == 422, answer.text
+    exit_body = {"node_rank": 0, "exit_code": 2**40, "reason": ""}
+    answer = client.post(f"/api/v1/agents/1/allocations/{allocation_id}/exit", json=exit_body, headers=AGENT)
+    assert answer.status_code == 422, answer.text
