@@ -8,20 +8,53 @@ checkpoint committed; `delete_marked` removes a row only after its files are gon
 from __future__ import annotations
 
 import logging
+import os
+import posixpath
 from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from phalanx.schemas import CheckpointCommit, CheckpointPolicy, JobSpec
 from server.errors import Conflict, Unprocessable
 from server.models import Allocation, Checkpoint, Job, Metric
+from server.settings import Settings
 from server.task_names import DELETE_CHECKPOINTS_TASK
 from server.transitions import COMMITTED, DELETING, transition_checkpoint
 from server.wakeups import note_job_data, note_task
 
 log = logging.getLogger(__name__)
+
+
+def normalised(uri: str) -> str | None:
+    """`uri` with `.` and `..` resolved and no trailing slash, so that a prefix test means
+    "inside"; None for what names no plain location (no protocol, a query or a fragment)."""
+    parts = urlsplit(uri)
+    if not parts.scheme or parts.query or parts.fragment:
+        return None
+    path = posixpath.normpath("/" + parts.path.lstrip("/")) if parts.path else "/"
+    return urlunsplit((parts.scheme.lower(), parts.netloc, path.rstrip("/") or "/", "", ""))
+
+
+def within(uri: str, root: str) -> bool:
+    """`uri` is `root` or inside it, once both are normalised."""
+    inner, outer = normalised(uri), normalised(root)
+    return inner is not None and outer is not None and (inner == outer or inner.startswith(outer.rstrip("/") + "/"))
+
+
+def check_storage(storage: str | None, settings: Settings, field: str = "checkpoint.storage") -> None:
+    """Refuse (422) a job's checkpoint storage outside the roots the cluster allows: a server that
+    reads, archives and deletes checkpoints must never be pointed at /etc or at an http:// URL."""
+    if storage is None or any(within(storage, root) for root in settings.allowed_checkpoint_roots):
+        return
+    roots = ", ".join(settings.allowed_checkpoint_roots)
+    raise Unprocessable(
+        f"{field}: {storage!r} is outside the checkpoint roots this cluster allows ({roots}); "
+        "name one of them or a path under it, or leave it out for the default"
+    )
 
 
 def job_root(storage: str, job_id: int) -> str:
@@ -77,7 +110,7 @@ def commit(session: Session, allocation: Allocation, job: Job, body: CheckpointC
     if allocation.fenced or not allocation.active:
         raise Conflict(f"allocation {allocation.id} is no longer current; its checkpoint is not recorded")
     root = storage_for(job, default_uri)
-    if not body.path.startswith(root + "/"):
+    if not within(body.path, root) or normalised(body.path) == normalised(root):
         raise Unprocessable(f"checkpoint path {body.path!r} is outside this job's storage {root!r}")
     earlier = session.scalars(
         select(Checkpoint).where(Checkpoint.allocation_id == allocation.id, Checkpoint.step == body.step)
@@ -127,11 +160,11 @@ def delete_marked(session: Session, job_id: int) -> int:
         .where(Checkpoint.job_id == job_id, Checkpoint.state == DELETING)
         .with_for_update(skip_locked=True)
     ):
-        fs, path = fsspec.core.url_to_fs(checkpoint.path)
         try:
+            fs, path = fsspec.core.url_to_fs(checkpoint.path)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
-        except OSError as exc:  # keep the row: it is retried on the next pass
+        except Exception as exc:  # keep the row (retried next pass); one bad row stops no other
             log.warning("could not delete checkpoint %s: %s", checkpoint.path, exc)
             continue
         session.delete(checkpoint)
@@ -155,9 +188,12 @@ def archive(path: str) -> Iterator[bytes]:
 
     def produce() -> None:
         fs, root = fsspec.core.url_to_fs(path)
+        local = isinstance(fs, LocalFileSystem)
         try:
             with tarfile.open(fileobj=_Pipe(), mode="w|gz") as tar:  # type: ignore[call-overload]
                 for name in sorted(fs.find(root)):
+                    if local and not _inside(name, root):
+                        continue  # a symlink out of the checkpoint (to /etc/passwd, say) is left out
                     relative = name[len(root) :].lstrip("/")
                     info = tarfile.TarInfo(relative)
                     info.size = fs.size(name)
@@ -169,3 +205,8 @@ def archive(path: str) -> Iterator[bytes]:
     threading.Thread(target=produce, daemon=True).start()
     while (chunk := chunks.get()) is not None:
         yield chunk
+
+
+def _inside(name: str, root: str) -> bool:
+    """A local file that is no symlink and resolves inside `root` (resolved too)."""
+    return not os.path.islink(name) and os.path.realpath(name).startswith(os.path.realpath(root) + os.sep)

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, agents, jobs, studies, views
+from server import access, agents, checkpoints, jobs, studies, views
 from server.auth import Principal
 from server.bundles import store_bundle
 from server.errors import NotFound
@@ -37,6 +37,7 @@ def submit_job(
 ) -> schemas.JobView:
     """Store the code bundle and queue the job (422 when no agents could ever host it; nothing is
     created then)."""
+    checkpoints.check_storage(spec.checkpoint.storage, settings)
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     with session.begin():
         job = jobs.create_job(session, spec, _owner(principal), sha, size)
@@ -87,6 +88,7 @@ def submit_study(
 ) -> schemas.Study:
     """Store the trials' code bundle and create the study (422 when no agents could ever host a
     trial; nothing is created then); its driver starts after the commit."""
+    checkpoints.check_storage(spec.trial.checkpoint.storage, settings, "trial.checkpoint.storage")
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     with session.begin():
         row = studies.create_study(session, spec, _owner(principal), sha, size)

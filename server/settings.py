@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a
     # shared filesystem, s3://, ...). Empty means <data_dir>/checkpoints.
     checkpoint_uri: str = ""
+    # Other roots a job's `checkpoint.storage` may name (it may also name a sub-path of any root),
+    # comma-separated URIs. Nothing else is accepted: no other protocol, no other place.
+    checkpoint_roots: str = ""
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
@@ -39,6 +42,11 @@ class Settings(BaseSettings):
         if not self.checkpoint_uri:
             self.checkpoint_uri = f"file://{self.data_dir / 'checkpoints'}"
         return self
+
+    @property
+    def allowed_checkpoint_roots(self) -> list[str]:
+        extra = [root.strip() for root in self.checkpoint_roots.split(",") if root.strip()]
+        return [self.checkpoint_uri, *extra]
 
     @property
     def is_sqlite(self) -> bool:

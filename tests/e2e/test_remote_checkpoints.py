@@ -40,7 +40,8 @@ def test_checkpoints_on_s3_commit_resume_download_and_retain(
     }
     # fsspec reads FSSPEC_<PROTOCOL>_<ARGUMENT> from the environment: every process (server, agents,
     # the ranks they start) reaches the same endpoint without code of ours knowing about S3.
-    env = {**credentials, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
+    # The cluster allows the bucket as a checkpoint root; a job names a path in it.
+    env = {**credentials, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint, "PHALANX_CHECKPOINT_ROOTS": f"s3://{BUCKET}"}
     bucket = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=s3_endpoint)
     bucket.mkdir(BUCKET)
 

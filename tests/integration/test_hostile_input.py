@@ -3,7 +3,10 @@ metric batches and agent reports the database could not store."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,8 +14,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from scheduler.service import schedule_pass
+from server.checkpoints import delete_marked
 from server.db import session_scope
-from server.models import Metric
+from server.models import Allocation, Checkpoint, Job, Metric
 from server.settings import Settings
 from tests.integration.test_api import AGENT, USER
 
@@ -119,3 +123,79 @@ def test_checkpoint_metrics_and_node_reports_are_bounded(client: TestClient, all
     exit_body = {"node_rank": 0, "exit_code": 2**40, "reason": ""}
     answer = client.post(f"/api/v1/agents/1/allocations/{allocation_id}/exit", json=exit_body, headers=AGENT)
     assert answer.status_code == 422, answer.text
+
+
+@pytest.mark.parametrize("storage", ["file:///etc", "http://example.com/ckpt", "memory://x", "ftp://host/x"])
+def test_checkpoint_storage_outside_the_allowed_roots_is_refused_at_submit(
+    client: TestClient, settings: Settings, storage: str
+) -> None:
+    spec = {"name": "j", "entrypoint": "python t.py", "checkpoint": {"storage": storage}}
+    answer = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER)
+    assert answer.status_code == 422 and "checkpoint.storage" in answer.json()["error"], answer.text
+    with session_scope(settings.database_url) as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+
+
+def test_a_sub_path_of_the_default_root_is_accepted(client: TestClient, settings: Settings) -> None:
+    spec = {"name": "j", "entrypoint": "python t.py", "checkpoint": {"storage": f"{settings.checkpoint_uri}/team-a"}}
+    assert client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER).status_code == 201
+
+
+def job_root(client: TestClient, settings: Settings, allocation_id: int) -> Path:
+    job_id = client.get("/api/v1/jobs", headers=USER).json()[0]["id"]
+    return Path(settings.checkpoint_uri.removeprefix("file://")) / f"job-{job_id}"
+
+
+def test_a_committed_path_that_climbs_out_of_the_job_is_refused(
+    client: TestClient, settings: Settings, allocation_id: int
+) -> None:
+    root = job_root(client, settings, allocation_id)
+    for path in (f"file://{root}/../../../etc", f"file://{root}/../job-999/step-1", f"file://{root}-evil/step-1"):
+        body = {"step": 1, "path": path, "size_bytes": 1}
+        answer = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT)
+        assert answer.status_code == 422 and "outside this job's storage" in answer.json()["error"], path
+
+
+def test_an_archive_never_follows_a_symlink_out_of_the_checkpoint(
+    client: TestClient, settings: Settings, allocation_id: int, tmp_path: Path
+) -> None:
+    root = job_root(client, settings, allocation_id)
+    folder = root / "step-1"
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(b"weights")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the job's owner")
+    (folder / "leak").symlink_to(secret)
+    body = {"step": 1, "path": f"file://{folder}", "size_bytes": 7}
+    assert client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT).status_code == 201
+    job_id = client.get("/api/v1/jobs", headers=USER).json()[0]["id"]
+    archive = client.get(f"/api/v1/jobs/{job_id}/checkpoints/1/archive", headers=USER)
+    assert archive.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(archive.content), mode="r:gz") as tar:
+        assert tar.getnames() == ["state.pt"]
+
+
+def test_retention_goes_on_past_a_row_it_cannot_delete(settings: Settings, allocation_id: int, tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with session_scope(settings.database_url) as session:
+        allocation = session.get(Allocation, allocation_id)
+        assert allocation is not None
+        for step, path in ((1, "no-such-protocol://x/y"), (2, f"file://{gone}")):
+            session.add(
+                Checkpoint(
+                    job_id=allocation.job_id,
+                    allocation_id=allocation_id,
+                    attempt=1,
+                    step=step,
+                    metrics={},
+                    size_bytes=1,
+                    path=path,
+                    state="DELETING",
+                )
+            )
+    with session_scope(settings.database_url) as session:
+        assert delete_marked(session, allocation.job_id) == 1  # the good row; the bad one stays, logged
+    assert not gone.exists()
+    with session_scope(settings.database_url) as session:
+        assert session.scalars(select(Checkpoint.path)).all() == ["no-such-protocol://x/y"]
