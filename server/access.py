@@ -2,7 +2,7 @@
 
 Rules today: a user sees and acts on the jobs and studies they own; an admin on all of them.
 Someone else's object answers 404, as an unknown one does, so ids reveal nothing. Every user may
-list and drain agents (the tenancy issue narrows this to admins and teams). Agents reach only the
+list agents; only a cluster admin drains one (403 for others). Agents reach only the
 agent protocol (`server/api/deps.py`'s `AgentDep`).
 
 Each `*_for` reads the row (locked when `lock`) or raises `NotFound`; each `visible_*` is the
@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from server.attempts import lock_job
 from server.auth import Principal
-from server.errors import NotFound
+from server.errors import Forbidden, NotFound
 from server.models import Job, TuningStudy
 from server.studies import get_study
 
@@ -58,5 +58,6 @@ def study_for(session: Session, principal: Principal, study_id: int, *, lock: bo
 
 
 def may_drain_agents(principal: Principal) -> None:
-    """Draining is open to every user today (see the module docstring)."""
-    del principal
+    """Draining takes slots from everyone's jobs: cluster admins only (403 otherwise)."""
+    if not principal.is_admin:
+        raise Forbidden("draining an agent needs a cluster admin's token; ask an admin to drain it")

@@ -64,3 +64,13 @@ def test_another_users_study_answers_404(client: TestClient) -> None:
         assert answer.status_code == 404, (method, path, answer.text)
     assert client.get(f"/api/v1/studies/{study_id}", headers=alice).json()["state"] == "RUNNING"
     assert client.get("/api/v1/studies", headers=bob).json() == []
+
+
+def test_only_a_cluster_admin_drains_an_agent(client: TestClient) -> None:
+    alice = new_user(client, "alice")
+    agent_id = client.get("/api/v1/agents", headers=alice).json()[0]["id"]  # every user may list them
+    refused = client.post(f"/api/v1/agents/{agent_id}/drain", headers=alice)
+    assert refused.status_code == 403 and "cluster admin" in refused.json()["error"]
+    assert client.get("/api/v1/agents", headers=USER).json()[0]["state"] == "ACTIVE"  # unchanged
+    drained = client.post(f"/api/v1/agents/{agent_id}/drain", headers=USER)
+    assert drained.status_code == 200 and drained.json()["state"] == "DRAINING"

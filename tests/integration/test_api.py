@@ -92,7 +92,9 @@ def test_every_api_route_needs_a_token(client: TestClient) -> None:
     # open routes
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/docs").status_code == 200
-    assert "phalanx_jobs" in client.get("/metrics").text
+    # Prometheus needs a user's token (a scraper sends it as a bearer token)
+    assert client.get("/metrics").status_code == 401
+    assert "phalanx_jobs" in client.get("/metrics", headers=USER).text
 
 
 def test_admin_mints_tokens_that_work(client: TestClient) -> None:
