@@ -41,6 +41,7 @@ from phalanx.schemas import (
     StudySpec,
     StudyState,
     TokenCreated,
+    TokenView,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -315,9 +316,17 @@ class Client:
     def drain_agent(self, agent_id: int) -> AgentView:
         return AgentView.model_validate_json(self._request("POST", f"/agents/{agent_id}/drain").content)
 
-    def create_token(self, kind: str, name: str) -> TokenCreated:
-        response = self._request("POST", "/tokens", json={"kind": kind, "name": name})
-        return TokenCreated.model_validate_json(response.content)
+    def create_token(self, kind: str, name: str, expires_in_s: int | None = None) -> TokenCreated:
+        """Admin: a new token (a user token makes a new user); the value is shown once."""
+        body = {"kind": kind, "name": name, "expires_in_s": expires_in_s}
+        return TokenCreated.model_validate_json(self._request("POST", "/tokens", json=body).content)
+
+    def tokens(self) -> list[TokenView]:
+        """Your tokens (an admin's: all), without their values."""
+        return self._list(TokenView, "/tokens")
+
+    def revoke_token(self, token_id: int) -> None:
+        self._request("DELETE", f"/tokens/{token_id}")
 
     # --- agent protocol ---------------------------------------------------------------------------
 

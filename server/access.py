@@ -2,7 +2,8 @@
 
 Rules today: a user sees and acts on the jobs and studies they own; an admin on all of them.
 Someone else's object answers 404, as an unknown one does, so ids reveal nothing. Every user may
-list agents; only a cluster admin drains one (403 for others). Agents reach only the
+list agents; only a cluster admin drains one (403 for others). Tokens: a user lists and
+revokes their own, an admin all; only an admin mints them. Agents reach only the
 agent protocol (`server/api/deps.py`'s `AgentDep`).
 
 Each `*_for` reads the row (locked when `lock`) or raises `NotFound`; each `visible_*` is the
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session, selectinload
 from server.attempts import lock_job
 from server.auth import Principal
 from server.errors import Forbidden, NotFound
-from server.models import Job, TuningStudy
+from server.models import ApiToken, Job, TuningStudy
 from server.studies import get_study
 
 
@@ -55,6 +56,19 @@ def study_for(session: Session, principal: Principal, study_id: int, *, lock: bo
             "(`phalanx studies list` lists yours)."
         )
     return get_study(session, study_id, lock=True) if lock else study
+
+
+def visible_tokens(principal: Principal) -> Select[ApiToken]:
+    """A user's own tokens; an admin's view has them all."""
+    query = select(ApiToken)
+    return query if principal.is_admin else query.where(ApiToken.user_id == principal.user_id)
+
+
+def token_for(session: Session, principal: Principal, token_id: int) -> ApiToken:
+    token = session.get(ApiToken, token_id)
+    if token is None or not (principal.is_admin or (token.user_id is not None and token.user_id == principal.user_id)):
+        raise NotFound(f"There is no token {token_id} that you can see (`phalanx tokens list` lists yours).")
+    return token
 
 
 def may_drain_agents(principal: Principal) -> None:

@@ -1,7 +1,9 @@
 """Bearer tokens: hashing, lookup, and the first admin / agent tokens.
 
 Tokens are random strings shown once; only their SHA-256 is stored. A token's kind ("user" or
-"agent") decides which routes it may call.
+"agent") decides which routes it may call. A token may expire (`expires_at`, by the database
+clock); revoking deletes it. The tokens from PHALANX_ADMIN_TOKEN / PHALANX_AGENT_TOKEN are marked
+`configured`: when the setting changes, the old value is retired at the next start.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session
 
-from server.models import ApiToken, User
+from server.models import ApiToken, User, utcnow
 
-_CACHE_SECONDS = 30.0
+# How long a process trusts a token it looked up: a revoked or expired token stops working within
+# this (at once in the process that revoked it).
+_CACHE_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,12 @@ class TokenCache:
             return entry[1]
         return None
 
+    def forget(self, token_id: int) -> None:
+        """A revoked token stops working in this process at once (others: within the cache time)."""
+        with self._lock:
+            for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
+                del self._entries[key]
+
     def put(self, token_hash: str, principal: Principal) -> None:
         with self._lock:
             if len(self._entries) > 10_000:
@@ -62,7 +73,10 @@ def lookup(session: Session, token: str) -> Principal | None:
     row = session.execute(
         select(ApiToken, User)
         .outerjoin(User, ApiToken.user_id == User.id)
-        .where(ApiToken.token_hash == hash_token(token))
+        .where(
+            ApiToken.token_hash == hash_token(token),
+            or_(ApiToken.expires_at.is_(None), ApiToken.expires_at > utcnow()),
+        )
     ).first()
     if row is None:
         return None
@@ -76,9 +90,28 @@ def lookup(session: Session, token: str) -> Principal | None:
     )
 
 
-def mint(session: Session, kind: str, name: str, user_id: int | None, token: str | None = None) -> tuple[int, str]:
+def mint(
+    session: Session,
+    kind: str,
+    name: str,
+    user_id: int | None,
+    token: str | None = None,
+    *,
+    expires_in_s: int | None = None,
+    configured: bool = False,
+) -> tuple[int, str]:
     token = token or new_token(kind)
-    row = ApiToken(kind=kind, name=name, token_hash=hash_token(token), user_id=user_id)
+    expires_at = None
+    if expires_in_s is not None:
+        expires_at = session.execute(select(utcnow() + timedelta(seconds=expires_in_s))).scalar_one()
+    row = ApiToken(
+        kind=kind,
+        name=name,
+        token_hash=hash_token(token),
+        user_id=user_id,
+        expires_at=expires_at,
+        configured=configured,
+    )
     session.add(row)
     session.flush()
     return row.id, token
@@ -98,9 +131,14 @@ def bootstrap(session: Session, admin_token: str | None, agent_token: str | None
         if admin_token is None:
             admin_token = generated = new_token("user")
     for kind, token, owner in (("user", admin_token, admin.id), ("agent", agent_token, None)):
-        if (
-            token
-            and session.execute(select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))).first() is None
-        ):
-            mint(session, kind, "admin" if kind == "user" else "agents", owner, token)
+        if not token:
+            continue
+        # a rotated setting retires the value it replaces
+        session.execute(
+            delete(ApiToken).where(
+                ApiToken.kind == kind, ApiToken.configured.is_(True), ApiToken.token_hash != hash_token(token)
+            )
+        )
+        if session.execute(select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))).first() is None:
+            mint(session, kind, "admin" if kind == "user" else "agents", owner, token, configured=True)
     return generated

@@ -1,6 +1,6 @@
 """The use cases a person starts, written once for the REST API and the dashboard: submit, kill,
 pause and resume a job; submit, stop and resume a study; drain an agent; find a checkpoint to
-download. Routes and pages only parse the request, call one of these, and render the answer.
+download; mint and revoke API tokens. Routes and pages only parse the request, call one of these, and render the answer.
 
 Each function owns its transaction: it asks `server.access` whether the principal may do it
 (404 for what they cannot see), applies the domain rules (`server.jobs`, `server.studies`,
@@ -18,11 +18,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, agents, checkpoints, jobs, studies, views
+from server import access, agents, auth, checkpoints, jobs, studies, views
 from server.auth import Principal
 from server.bundles import store_bundle
-from server.errors import NotFound
-from server.models import Checkpoint, Job, TuningStudy
+from server.errors import Conflict, NotFound
+from server.models import ApiToken, Checkpoint, Job, TuningStudy, User
 from server.settings import Settings
 from server.transitions import COMMITTED
 
@@ -121,3 +121,27 @@ def drain_agent(session: Session, principal: Principal, agent_id: int) -> schema
         agent = agents.get_agent(session, agent_id, lock=True)
         agents.drain_agent(session, agent)
         return views.agents(session, [agent])[0]
+
+
+def create_token(session: Session, admin: Principal, body: schemas.TokenRequest) -> schemas.TokenCreated:
+    """A new user token makes a new user of that name (409 if it exists); an agent token names
+    agents. The value is returned once and only its hash is stored."""
+    del admin  # AdminDep decided who may: only admins mint
+    with session.begin():
+        user_id = None
+        if body.kind == "user":
+            if session.scalars(select(User).where(User.name == body.name)).first() is not None:
+                raise Conflict(f"user {body.name!r} exists already; pick another name")
+            user = User(name=body.name, is_admin=False)
+            session.add(user)
+            session.flush()
+            user_id = user.id
+        token_id, token = auth.mint(session, body.kind, body.name, user_id, expires_in_s=body.expires_in_s)
+        expires_at = session.get_one(ApiToken, token_id).expires_at
+    return schemas.TokenCreated(id=token_id, kind=body.kind, name=body.name, token=token, expires_at=expires_at)
+
+
+def revoke_token(session: Session, principal: Principal, token_id: int) -> None:
+    """Delete the token (404 for one the principal cannot see)."""
+    with session.begin():
+        session.delete(access.token_for(session, principal, token_id))

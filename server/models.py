@@ -83,6 +83,9 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime)  # None: until revoked
+    # Taken from PHALANX_ADMIN_TOKEN / PHALANX_AGENT_TOKEN: retired when the setting changes.
+    configured: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     user: Mapped[User | None] = relationship()
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections import Counter, defaultdict
 from collections.abc import Collection, Sequence
+from typing import Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
@@ -16,6 +17,7 @@ from server.models import (
     Agent,
     Allocation,
     AllocationNode,
+    ApiToken,
     Checkpoint,
     Job,
     LogLine,
@@ -299,4 +301,16 @@ def _study_detail(row: TuningStudy, trial_rows: list[tuple[TuningTrial, str]], o
         best_trial=best[0].number if len(best) == 1 else None,
         version=hashlib.sha1(json.dumps(fingerprint, default=str).encode()).hexdigest()[:16],
         trials=trials,
+    )
+
+
+def token(row: ApiToken) -> schemas.TokenView:
+    kind: Literal["user", "agent"] = "agent" if row.kind == "agent" else "user"
+    return schemas.TokenView(
+        id=row.id,
+        kind=kind,
+        name=row.name,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        configured=row.configured,
     )

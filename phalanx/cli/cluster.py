@@ -1,4 +1,4 @@
-"""The cluster: its agents (`agents list|drain`) and API tokens (`tokens create`, admin)."""
+"""The cluster: its agents (`agents list|drain`) and API tokens (`tokens create|list|revoke`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from rich.table import Table
 from phalanx.cli.output import JsonOpt, api, console, fail, print_json
 
 agents_app = typer.Typer(help="Inspect agents (the nodes that run workers).", no_args_is_help=True)
-tokens_app = typer.Typer(help="Mint API tokens (admin).", no_args_is_help=True)
+tokens_app = typer.Typer(help="API tokens: mint (admin), list and revoke.", no_args_is_help=True)
 
 
 @agents_app.command("drain")
@@ -52,18 +52,58 @@ def agents_list(as_json: JsonOpt = False) -> None:
     console.print(table)
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """ "90m", "12h", "30d", "3600s" (or plain seconds) as seconds."""
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in DURATION_UNITS else (text, "s")
+    if not number.isdigit():
+        fail(f"--expires {text!r}: give a number with s, m, h or d, such as 30d or 12h", 2)
+    return int(number) * DURATION_UNITS[unit]
+
+
 @tokens_app.command("create")
 def tokens_create(
     name: str,
     kind: Annotated[str, typer.Option(help="user or agent")] = "user",
+    expires: Annotated[str | None, typer.Option(help="Lifetime, such as 12h or 30d (default: until revoked).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Mint a token (shown once)."""
+    """Mint a token (admin; shown once)."""
     if kind not in ("user", "agent"):
         fail("--kind must be 'user' or 'agent'", 2)
+    lifetime = parse_duration(expires) if expires is not None else None
     with api() as client:
-        created = client.create_token(kind, name)
+        created = client.create_token(kind, name, lifetime)
     if as_json:
         print_json(created)
-    else:
-        console.print(f"{created.kind} token for {created.name} (shown once): {created.token}")
+        return
+    until = f", valid until {created.expires_at:%Y-%m-%d %H:%M} UTC" if created.expires_at else ""
+    console.print(f"{created.kind} token for {created.name} (shown once{until}): {created.token}")
+
+
+@tokens_app.command("list")
+def tokens_list(as_json: JsonOpt = False) -> None:
+    """Your tokens (an admin sees every token); values are never shown again."""
+    with api() as client:
+        tokens = client.tokens()
+    if as_json:
+        print_json(tokens)
+        return
+    table = Table()
+    for column in ("id", "kind", "name", "created", "expires"):
+        table.add_column(column)
+    for t in tokens:
+        expires = f"{t.expires_at:%Y-%m-%d %H:%M}" if t.expires_at else "never"
+        name = f"{t.name} (from the settings)" if t.configured else t.name
+        table.add_row(str(t.id), t.kind, name, f"{t.created_at:%Y-%m-%d %H:%M}", expires)
+    console.print(table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(token_id: int) -> None:
+    """The token stops working (within seconds on every server)."""
+    with api() as client:
+        client.revoke_token(token_id)
+    console.print(f"token {token_id} revoked")

@@ -82,6 +82,7 @@ from phalanx.schemas.views import (
     StudyDetail,
     TokenCreated,
     TokenRequest,
+    TokenView,
     TrialView,
 )
 
@@ -148,6 +149,7 @@ __all__ = [
     "SuccessiveHalvingPruner",
     "TokenCreated",
     "TokenRequest",
+    "TokenView",
     "TpeSampler",
     "TrialState",
     "TrialTemplate",

@@ -119,11 +119,27 @@ class TokenCreated(BaseModel):
     kind: Literal["user", "agent"]
     name: str
     token: str  # shown once
+    expires_at: datetime | None = None
+
+
+class TokenView(BaseModel):
+    """A token as `tokens list` shows it: never its value."""
+
+    id: int
+    kind: Literal["user", "agent"]
+    name: str
+    created_at: datetime
+    expires_at: datetime | None  # None: until revoked
+    configured: bool  # taken from PHALANX_ADMIN_TOKEN / PHALANX_AGENT_TOKEN
+
+
+MAX_TOKEN_LIFETIME_S = 10 * 365 * 86400
 
 
 class TokenRequest(StrictModel):
     kind: Literal["user", "agent"] = "user"
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    expires_in_s: Annotated[int | None, Field(ge=60, le=MAX_TOKEN_LIFETIME_S)] = None
 
 
 class TrialView(BaseModel):

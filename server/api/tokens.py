@@ -1,29 +1,34 @@
-"""Admins mint tokens for users and agents; each is shown once."""
+"""API tokens: admins mint them for users and agents (each shown once); everyone lists and revokes
+their own, admins all."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from sqlalchemy import select
+from fastapi import APIRouter, Response
 
 from phalanx import schemas
-from server import auth
-from server.api.deps import AdminDep, SessionDep
-from server.errors import Conflict
-from server.models import User
+from server import access, commands, views
+from server.api.deps import AdminDep, RowId, ServicesDep, SessionDep, UserDep
+from server.models import ApiToken
 
 router = APIRouter(prefix="/tokens", tags=["tokens"])
 
 
 @router.post("", status_code=201, response_model=schemas.TokenCreated)
-def create_token(body: schemas.TokenRequest, session: SessionDep, _: AdminDep) -> schemas.TokenCreated:
+def create_token(body: schemas.TokenRequest, session: SessionDep, admin: AdminDep) -> schemas.TokenCreated:
+    """A user token makes a new user of that name; `expires_in_s` bounds its life."""
+    return commands.create_token(session, admin, body)
+
+
+@router.get("", response_model=list[schemas.TokenView])
+def list_tokens(session: SessionDep, user: UserDep) -> list[schemas.TokenView]:
+    """Your tokens; an admin's list has every token. Values are never shown again."""
     with session.begin():
-        user_id = None
-        if body.kind == "user":
-            if session.scalars(select(User).where(User.name == body.name)).first() is not None:
-                raise Conflict(f"user {body.name!r} exists already; pick another name")
-            user = User(name=body.name, is_admin=False)
-            session.add(user)
-            session.flush()
-            user_id = user.id
-        token_id, token = auth.mint(session, body.kind, body.name, user_id)
-    return schemas.TokenCreated(id=token_id, kind=body.kind, name=body.name, token=token)
+        return [views.token(row) for row in session.scalars(access.visible_tokens(user).order_by(ApiToken.id))]
+
+
+@router.delete("/{token_id}", status_code=204)
+def revoke_token(token_id: RowId, session: SessionDep, services: ServicesDep, user: UserDep) -> Response:
+    """The token stops working (in this server at once, in others within seconds)."""
+    commands.revoke_token(session, user, token_id)
+    services.token_cache.forget(token_id)
+    return Response(status_code=204)
