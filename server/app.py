@@ -21,6 +21,7 @@ from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
+from server.security_headers import SecurityHeadersMiddleware
 from server.settings import Settings
 from server.wakeups import Enqueue, Publisher, Waiter, publish_after_commit
 
@@ -73,6 +74,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     install_handlers(app, pages=dashboard_render.error_page)
     # outermost of ours: a body is capped before anything reads it, authentication included
     app.add_middleware(BodyCapMiddleware, cap=caps_for(settings))
+    app.add_middleware(SecurityHeadersMiddleware)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

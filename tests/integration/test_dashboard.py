@@ -117,7 +117,7 @@ def test_the_kill_button_needs_its_csrf_token(client: TestClient) -> None:
     job_id = submit(client)
     sign_in(client)
     page = client.get(f"/jobs/{job_id}").text
-    assert f'action="/jobs/{job_id}/kill"' in page and "confirm(" in page
+    assert f'action="/jobs/{job_id}/kill"' in page and "data-confirm=" in page
     assert client.post(f"/jobs/{job_id}/kill", data={"csrf_token": "forged"}).status_code == 403
     assert client.post(f"/jobs/{job_id}/kill").status_code == 403
     assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "QUEUED"

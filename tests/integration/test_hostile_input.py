@@ -199,3 +199,20 @@ def test_retention_goes_on_past_a_row_it_cannot_delete(settings: Settings, alloc
     assert not gone.exists()
     with session_scope(settings.database_url) as session:
         assert session.scalars(select(Checkpoint.path)).all() == ["no-such-protocol://x/y"]
+
+
+def test_every_page_forbids_inline_script_and_framing(client: TestClient) -> None:
+    from tests.integration.test_dashboard import sign_in
+
+    sign_in(client)
+    job_id = client.post(
+        "/api/v1/jobs",
+        files={"spec": (None, '{"name": "j", "entrypoint": "python t.py"}', "application/json")},
+        headers=USER,
+    ).json()["id"]
+    for path in ("/overview", "/jobs", f"/jobs/{job_id}", "/agents", "/studies", "/submit", "/api/v1/jobs"):
+        answer = client.get(path, headers=USER if path.startswith("/api/") else {})
+        policy = answer.headers["content-security-policy"]
+        assert "script-src 'self';" in policy and "frame-ancestors 'none'" in policy, path
+        assert answer.headers["x-content-type-options"] == "nosniff" and answer.headers["x-frame-options"] == "DENY"
+        assert "onsubmit=" not in answer.text and "onclick=" not in answer.text, path

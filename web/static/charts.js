@@ -5,6 +5,13 @@
 (function () {
   "use strict";
 
+  // Buttons that change something ask first: <form data-confirm="question">. A listener, not an
+  // inline onsubmit, so that the Content-Security-Policy can forbid inline script.
+  document.addEventListener("submit", function (event) {
+    const question = event.target.dataset && event.target.dataset.confirm;
+    if (question && !window.confirm(question)) event.preventDefault();
+  });
+
   // steps are whole numbers: ticks at 1, 2, 5 x 10^k only
   const STEP_INCREMENTS = [];
   for (let k = 1; k <= 1e9; k *= 10) STEP_INCREMENTS.push(k, 2 * k, 5 * k);
