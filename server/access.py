@@ -3,7 +3,8 @@
 Rules today: a user sees and acts on the jobs and studies they own; an admin on all of them.
 Someone else's object answers 404, as an unknown one does, so ids reveal nothing. Every user may
 list agents; only a cluster admin drains one (403 for others). Tokens: a user lists and
-revokes their own, an admin all; only an admin mints them. Agents reach only the
+revokes their own, an admin all; only an admin mints them. A job's ranks hold their allocation's
+own token: it reports metrics and checkpoints for that allocation and reaches nothing else. Agents reach only the
 agent protocol (`server/api/deps.py`'s `AgentDep`).
 
 Each `*_for` reads the row (locked when `lock`) or raises `NotFound`; each `visible_*` is the
@@ -69,6 +70,14 @@ def token_for(session: Session, principal: Principal, token_id: int) -> ApiToken
     if token is None or not (principal.is_admin or (token.user_id is not None and token.user_id == principal.user_id)):
         raise NotFound(f"There is no token {token_id} that you can see (`phalanx tokens list` lists yours).")
     return token
+
+
+def may_report_for(principal: Principal, allocation_id: int) -> None:
+    """A rank's token reports for its own allocation only; an agent's for any it hosts."""
+    if principal.kind == "rank" and principal.allocation_id != allocation_id:
+        raise Forbidden(
+            f"this token belongs to allocation {principal.allocation_id}, not to allocation {allocation_id}"
+        )
 
 
 def may_drain_agents(principal: Principal) -> None:

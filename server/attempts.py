@@ -15,6 +15,7 @@ Policy is kept apart from action (`decide_restart` only decides; `end_attempt` a
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -128,6 +129,7 @@ def start_attempt(session: Session, job: Job, placement: Placement, agents: Mapp
         master_addr=rank0.address,
         active=True,
         resume_step=resume.step if resume else None,
+        credential=secrets.token_urlsafe(32),
     )
     session.add(allocation)
     session.flush()

@@ -1,7 +1,9 @@
 """Bearer tokens: hashing, lookup, and the first admin / agent tokens.
 
 Tokens are random strings shown once; only their SHA-256 is stored. A token's kind ("user" or
-"agent") decides which routes it may call. A token may expire (`expires_at`, by the database
+"agent") decides which routes it may call. An attempt's ranks get a token of their own
+(`rank_token`: the allocation id and its random credential), which may report metrics and
+checkpoints for that allocation and nothing else. A token may expire (`expires_at`, by the database
 clock); revoking deletes it. The tokens from PHALANX_ADMIN_TOKEN / PHALANX_AGENT_TOKEN are marked
 `configured`: when the setting changes, the old value is retired at the next start.
 """
@@ -9,6 +11,7 @@ clock); revoking deletes it. The tokens from PHALANX_ADMIN_TOKEN / PHALANX_AGENT
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 import threading
 import time
@@ -18,7 +21,7 @@ from datetime import timedelta
 from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session
 
-from server.models import ApiToken, User, utcnow
+from server.models import Allocation, ApiToken, User, utcnow
 
 # How long a process trusts a token it looked up: a revoked or expired token stops working within
 # this (at once in the process that revoked it).
@@ -27,11 +30,12 @@ _CACHE_SECONDS = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    kind: str  # "user" | "agent"
+    kind: str  # "user" | "agent" | "rank" (an allocation's own credential)
     token_id: int
     name: str
     user_id: int | None
     is_admin: bool
+    allocation_id: int | None = None  # a rank's: the one allocation it may report for
 
 
 def hash_token(token: str) -> str:
@@ -69,7 +73,36 @@ class TokenCache:
             self._entries[token_hash] = (time.monotonic() + _CACHE_SECONDS, principal)
 
 
+RANK_TOKEN_PREFIX = "phx_r_"
+
+
+def rank_token(allocation_id: int, credential: str) -> str:
+    """The token an attempt's ranks get (PHALANX_TOKEN): it names its allocation and proves it."""
+    return f"{RANK_TOKEN_PREFIX}{allocation_id}_{credential}"
+
+
+def _rank_principal(session: Session, token: str) -> Principal | None:
+    allocation_id, _, credential = token.removeprefix(RANK_TOKEN_PREFIX).partition("_")
+    if not allocation_id.isdigit() or int(allocation_id) > 2**31 - 1 or not credential:
+        return None
+    stored = session.execute(
+        select(Allocation.credential).where(Allocation.id == int(allocation_id))
+    ).scalar_one_or_none()
+    if stored is None or not hmac.compare_digest(stored, credential):
+        return None
+    return Principal(
+        kind="rank",
+        token_id=-int(allocation_id),
+        name=f"allocation {allocation_id}",
+        user_id=None,
+        is_admin=False,
+        allocation_id=int(allocation_id),
+    )
+
+
 def lookup(session: Session, token: str) -> Principal | None:
+    if token.startswith(RANK_TOKEN_PREFIX):
+        return _rank_principal(session, token)
     row = session.execute(
         select(ApiToken, User)
         .outerjoin(User, ApiToken.user_id == User.id)

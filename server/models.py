@@ -165,6 +165,9 @@ class Allocation(Base):
     end_reason: Mapped[str | None] = mapped_column(Text)
     end_budget: Mapped[str | None] = mapped_column(String(8))  # whose failure: "job" | "infra"
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
+    # The secret of the attempt's own token (`auth.rank_token`): its ranks report with it, and it
+    # reaches nothing else. Never returned by a user-facing view.
+    credential: Mapped[str | None] = mapped_column(String(64))
     last_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
     # The newest value of each metric name any rank reported, and the newest step: kept up to date
     # by the metrics route so that showing or listing jobs never scans the metrics table.

@@ -180,7 +180,7 @@ class NodeRunner(threading.Thread):
 
     def _launch_and_wait(self, a: Assignment, workdir: Path) -> tuple[int, str]:
         cfg = self.agent.config
-        env = rank_env(a, dict(os.environ), cfg.server_url, cfg.token, cfg.address)
+        env = rank_env(a, dict(os.environ), cfg.server_url, cfg.address)
         log_dir = workdir.parent / "torchrun-logs"
         failure = FailureReport()
 

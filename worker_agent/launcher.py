@@ -117,7 +117,7 @@ def torchrun_args(a: Assignment, log_dir: Path) -> list[str]:
     ]
 
 
-def rank_env(a: Assignment, base: dict[str, str], server_url: str, token: str, address: str) -> dict[str, str]:
+def rank_env(a: Assignment, base: dict[str, str], server_url: str, address: str) -> dict[str, str]:
     import json
 
     # The agent's own PHALANX_* settings (an admin token, the database URL in a one-machine stack)
@@ -129,7 +129,8 @@ def rank_env(a: Assignment, base: dict[str, str], server_url: str, token: str, a
     env.update(
         PYTHONUNBUFFERED="1",
         PHALANX_URL=server_url,
-        PHALANX_TOKEN=token,
+        # the attempt's own credential, never the agent's token: it reports for this allocation only
+        PHALANX_TOKEN=a.credential,
         PHALANX_JOB_ID=str(a.job_id),
         PHALANX_ALLOCATION_ID=str(a.allocation_id),
         PHALANX_ATTEMPT=str(a.attempt),

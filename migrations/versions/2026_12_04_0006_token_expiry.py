@@ -17,7 +17,9 @@ branch_labels = None
 depends_on = None
 
 # A frozen copy: what the table looked like when this revision was written.
-api_tokens = sa.table("api_tokens", sa.column("kind", sa.String), sa.column("name", sa.String), sa.column("configured", sa.Boolean))
+api_tokens = sa.table(
+    "api_tokens", sa.column("kind", sa.String), sa.column("name", sa.String), sa.column("configured", sa.Boolean)
+)
 
 
 def upgrade() -> None:

@@ -66,6 +66,8 @@ class Assignment(BaseModel):
     checkpoint_root: str = ""
     resume: ResumePoint | None = None
     pg_timeout: float = 120.0
+    # The ranks' PHALANX_TOKEN: reports metrics and checkpoints for this allocation, nothing else
+    credential: str = ""
 
 
 class AgentWork(BaseModel):

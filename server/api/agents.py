@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, selectinload
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import agents, attempts, commands, views
+from server import agents, attempts, auth, commands, views
 from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep, read_capped_body
 from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
@@ -88,6 +88,7 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
                     checkpoint_root=storage_for(job, settings.checkpoint_uri),
                     resume=_resume_point(session, allocation),
                     pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
+                    credential=auth.rank_token(allocation.id, allocation.credential or ""),
                 )
             )
     body = "[" + ",".join(a.model_dump_json() for a in assignments) + "]"

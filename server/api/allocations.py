@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import attempts, checkpoints, views
-from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, SettingsDep, read_capped_body
+from server import access, attempts, checkpoints, views
+from server.api.deps import ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep, read_capped_body
 from server.api.uploads import invalid_batch
 from server.errors import Conflict, NotFound
 from server.ingest import first_delivery, insert_metrics, record_progress
@@ -22,8 +22,11 @@ router = APIRouter(prefix="/allocations", tags=["allocations"])
 
 
 @router.post("/{allocation_id}/metrics", status_code=204)
-async def post_metrics(allocation_id: RowId, request: Request, services: ServicesDep, _: AgentDep) -> Response:
+async def post_metrics(
+    allocation_id: RowId, request: Request, services: ServicesDep, reporter: ReporterDep
+) -> Response:
     """Store a batch of `report()` records. 409 once the allocation is superseded or ended."""
+    access.may_report_for(reporter, allocation_id)
     raw = await read_capped_body(request, services.settings.max_metric_batch_bytes, "the metric batch")
     try:
         batch = schemas.MetricBatchIn.model_validate_json(raw)
@@ -75,9 +78,10 @@ def commit_checkpoint(
     body: schemas.CheckpointCommit,
     session: SessionDep,
     settings: SettingsDep,
-    _: AgentDep,
+    reporter: ReporterDep,
 ) -> schemas.CheckpointView:
     """Rank 0 reports a checkpoint whose files were renamed into place. 409 once superseded."""
+    access.may_report_for(reporter, allocation_id)
     with session.begin():
         allocation = session.get(Allocation, allocation_id)
         if allocation is None:

@@ -97,6 +97,13 @@ def require_admin(principal: Annotated[Principal, Depends(require_user)]) -> Pri
     return principal
 
 
+def require_reporter(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    """An agent, or a rank with its allocation's own token (which allocation: `access.may_report_for`)."""
+    if principal.kind not in ("agent", "rank"):
+        raise Forbidden("this route is for agents and the ranks they start; a user token was given")
+    return principal
+
+
 def require_agent(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if principal.kind != "agent":
         raise Forbidden("this route is for agents and their workers; use an agent token (PHALANX_AGENT_TOKEN)")
@@ -128,3 +135,4 @@ WaiterDep = Annotated[Waiter, Depends(get_waiter)]
 UserDep = Annotated[Principal, Depends(require_user)]
 AdminDep = Annotated[Principal, Depends(require_admin)]
 AgentDep = Annotated[Principal, Depends(require_agent)]
+ReporterDep = Annotated[Principal, Depends(require_reporter)]

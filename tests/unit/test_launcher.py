@@ -71,10 +71,17 @@ def test_ranks_do_not_inherit_the_agents_secrets() -> None:
             "env": {"MY_FLAG": "1"},
             "hyperparameters": {"lr": 0.1},
             "precision": "32",
+            "credential": "phx_r_7_secret",
         }
     )
-    base = {"PATH": "/usr/bin", "PHALANX_ADMIN_TOKEN": "secret", "PHALANX_DATABASE_URL": "postgresql://x"}
-    env = rank_env(assignment, base, "http://server:8000", "agent-token", "127.0.0.1")
+    base = {
+        "PATH": "/usr/bin",
+        "PHALANX_ADMIN_TOKEN": "secret",
+        "PHALANX_DATABASE_URL": "postgresql://x",
+        "PHALANX_TOKEN": "the-agents-own-token",
+    }
+    env = rank_env(assignment, base, "http://server:8000", "127.0.0.1")
     assert "PHALANX_ADMIN_TOKEN" not in env and "PHALANX_DATABASE_URL" not in env
-    assert env["PHALANX_TOKEN"] == "agent-token" and env["PHALANX_ALLOCATION_ID"] == "7"
+    # the attempt's own credential, never the agent's token
+    assert env["PHALANX_TOKEN"] == "phx_r_7_secret" and env["PHALANX_ALLOCATION_ID"] == "7"
     assert env["MY_FLAG"] == "1" and env["OMP_NUM_THREADS"] == "1"
