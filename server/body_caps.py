@@ -31,7 +31,11 @@ class BodyTooLarge(HTTPException):
     while it reads a body becomes a 400)."""
 
     def __init__(self, cap: int) -> None:
-        super().__init__(413, f"the request body is over this route's {cap:,}-byte limit; send less")
+        super().__init__(
+            413,
+            f"the request body is over this route's cap of {cap:,} bytes: send smaller batches, "
+            "or keep data sets out of a job's code bundle",
+        )
 
 
 def caps_for(settings: Settings) -> Callable[[str, str], int]:

@@ -47,6 +47,7 @@ _CHANGED_JOBS = "phalanx.changed_jobs"
 _CHANGED_STUDIES = "phalanx.changed_studies"
 _ENDED_TRIAL_STUDIES = "phalanx.ended_trial_studies"
 _CHANNELS = "phalanx.channels"
+_AGENTS = "phalanx.agents"
 _TASKS = "phalanx.tasks"
 
 
@@ -96,13 +97,12 @@ def note_study_change(session: Session, study_id: int, *, trial_ended: bool = Fa
 
 def note_agent_work(session: Session, agent_ids: Iterable[int]) -> None:
     """These agents' assignments changed: their work long-polls answer after the commit."""
-    session.info.setdefault(_CHANNELS, set()).update(agent_channel(a) for a in agent_ids)
+    session.info.setdefault(_AGENTS, set()).update(agent_ids)
 
 
 def noted_agents(session: Session) -> set[int]:
     """The agents this transaction has noted so far (what a pass reports it woke)."""
-    prefix = agent_channel(0)[:-1]
-    return {int(c[len(prefix) :]) for c in session.info.get(_CHANNELS, ()) if c.startswith(prefix)}
+    return set(session.info.get(_AGENTS, ()))
 
 
 def note_job_data(session: Session, job_id: int) -> None:
@@ -132,6 +132,7 @@ def publish_after_commit(sessions: sessionmaker[Session], publisher: Publisher, 
         studies = session.info.pop(_CHANGED_STUDIES, None) or set()
         ended = session.info.pop(_ENDED_TRIAL_STUDIES, None) or set()
         channels = set(session.info.pop(_CHANNELS, None) or ())
+        channels |= {agent_channel(a) for a in session.info.pop(_AGENTS, None) or ()}
         tasks = list(session.info.pop(_TASKS, None) or ())
         channels |= {job_channel(j) for j in jobs} | {study_channel(s) for s in studies}
         if jobs:
@@ -144,7 +145,7 @@ def publish_after_commit(sessions: sessionmaker[Session], publisher: Publisher, 
 
     @orm_event.listens_for(sessions, "after_rollback")  # the real one: a savepoint's keeps the outer changes
     def _forget(session: Session) -> None:
-        for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES, _CHANNELS, _TASKS):
+        for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES, _CHANNELS, _AGENTS, _TASKS):
             session.info.pop(key, None)
 
 

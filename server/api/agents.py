@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import agents, attempts, auth, commands, views
-from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep, read_capped_body
+from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
 from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
 from server.errors import Conflict, NotFound
@@ -205,7 +205,7 @@ def node_exit(
 async def ship_logs(
     agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, _: AgentDep
 ) -> Response:
-    raw = await read_capped_body(request, services.settings.max_log_batch_bytes, "the log batch")
+    raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.LogBatch.model_validate_json(raw)
     except ValidationError as exc:

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, attempts, checkpoints, views
-from server.api.deps import ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep, read_capped_body
+from server.api.deps import ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep
 from server.api.uploads import invalid_batch
 from server.errors import Conflict, NotFound
 from server.ingest import first_delivery, insert_metrics, record_progress
@@ -27,7 +27,7 @@ async def post_metrics(
 ) -> Response:
     """Store a batch of `report()` records. 409 once the allocation is superseded or ended."""
     access.may_report_for(reporter, allocation_id)
-    raw = await read_capped_body(request, services.settings.max_metric_batch_bytes, "the metric batch")
+    raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.MetricBatchIn.model_validate_json(raw)
     except ValidationError as exc:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.auth import Principal, TokenCache, hash_token, lookup
-from server.errors import Forbidden, TooLarge, Unauthorized
+from server.errors import Forbidden, Unauthorized
 from server.settings import Settings
 from server.wakeups import Enqueue, Waiter
 
@@ -108,16 +108,6 @@ def require_agent(principal: Annotated[Principal, Depends(get_principal)]) -> Pr
     if principal.kind != "agent":
         raise Forbidden("this route is for agents and their workers; use an agent token (PHALANX_AGENT_TOKEN)")
     return principal
-
-
-async def read_capped_body(request: Request, limit: int, what: str) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"{what} is {int(declared)} bytes, over the {limit}-byte limit; send smaller batches")
-    body = await request.body()
-    if len(body) > limit:
-        raise TooLarge(f"{what} is {len(body)} bytes, over the {limit}-byte limit; send smaller batches")
-    return body
 
 
 # Ids as the database stores them: a path naming one outside these ranges names no row (404, see

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -24,7 +24,7 @@ from server.api.deps import (
     UserDep,
     WaiterDep,
 )
-from server.api.uploads import parse_spec, refuse_oversized
+from server.api.uploads import parse_spec
 from server.auth import Principal
 from server.errors import NotFound
 from server.models import Job, LogLine, Metric
@@ -35,14 +35,12 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 @router.post("", status_code=201, response_model=schemas.JobView)
 def submit_job(
-    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     user: UserDep,
     spec: Annotated[str, Form(description="The JobSpec as JSON")],
     bundle: Annotated[UploadFile | None, File(description="The workdir as .tar.gz")] = None,
 ) -> schemas.JobView:
-    refuse_oversized(request, settings)
     job_spec = parse_spec(schemas.JobSpec, spec, "job spec")
     return commands.submit_job(session, settings, user, job_spec, bundle.file if bundle is not None else None)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, File, Form, Query, UploadFile
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, commands, views
 from server.api.deps import RowId, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
-from server.api.uploads import parse_spec, refuse_oversized
+from server.api.uploads import parse_spec
 from server.auth import Principal
 from server.errors import Conflict, Unprocessable
 from server.models import TuningStudy
@@ -22,7 +22,6 @@ router = APIRouter(prefix="/studies", tags=["studies"])
 
 @router.post("", status_code=201, response_model=schemas.Study)
 def create_study(
-    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     user: UserDep,
@@ -30,7 +29,6 @@ def create_study(
     bundle: Annotated[UploadFile | None, File(description="The trials' workdir as .tar.gz")] = None,
 ) -> schemas.Study:
     """Validate the study (422 naming the field, nothing created) and start its driver."""
-    refuse_oversized(request, settings)
     study_spec = parse_spec(schemas.StudySpec, spec, "study spec")
     return commands.submit_study(session, settings, user, study_spec, bundle.file if bundle is not None else None)
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from server.errors import TooLarge, Unprocessable
-from server.settings import Settings
+from server.errors import Unprocessable
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -41,9 +39,3 @@ def parse_spec(model: type[M], raw: str | Mapping[str, Any], what: str) -> M:
         return model.model_validate_json(raw) if isinstance(raw, str) else model.model_validate(raw)
     except ValidationError as exc:
         raise InvalidSpec(what, exc) from exc
-
-
-def refuse_oversized(request: Request, settings: Settings) -> None:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > settings.max_bundle_bytes + (1 << 20):
-        raise TooLarge(f"the upload is over the {settings.max_bundle_bytes // 2**20} MiB bundle cap")

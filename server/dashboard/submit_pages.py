@@ -27,7 +27,7 @@ from pydantic_core import ErrorDetails
 from phalanx import schemas
 from server import commands
 from server.api.deps import SessionDep, SettingsDep, get_settings
-from server.api.uploads import InvalidSpec, parse_spec, refuse_oversized
+from server.api.uploads import InvalidSpec, parse_spec
 from server.dashboard.render import CsrfChecked, SignedIn, render
 from server.errors import PhalanxError, Unprocessable
 from server.settings import Settings
@@ -92,7 +92,6 @@ def submit(
 ) -> Response:
     text, kind, root = spec_text, None, None
     try:
-        refuse_oversized(request, settings)
         text = normalise(read_spec_file(spec_file) if chosen(spec_file) else spec_text)
         data, root = parse_yaml(text)
         kind = "study" if any(key in data for key in STUDY_MARKERS) else "job"

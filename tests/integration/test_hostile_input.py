@@ -141,7 +141,7 @@ def test_a_sub_path_of_the_default_root_is_accepted(client: TestClient, settings
     assert client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER).status_code == 201
 
 
-def job_root(client: TestClient, settings: Settings, allocation_id: int) -> Path:
+def job_root(client: TestClient, settings: Settings) -> Path:
     job_id = client.get("/api/v1/jobs", headers=USER).json()[0]["id"]
     return Path(settings.checkpoint_uri.removeprefix("file://")) / f"job-{job_id}"
 
@@ -149,7 +149,7 @@ def job_root(client: TestClient, settings: Settings, allocation_id: int) -> Path
 def test_a_committed_path_that_climbs_out_of_the_job_is_refused(
     client: TestClient, settings: Settings, allocation_id: int
 ) -> None:
-    root = job_root(client, settings, allocation_id)
+    root = job_root(client, settings)
     for path in (f"file://{root}/../../../etc", f"file://{root}/../job-999/step-1", f"file://{root}-evil/step-1"):
         body = {"step": 1, "path": path, "size_bytes": 1}
         answer = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT)
@@ -159,7 +159,7 @@ def test_a_committed_path_that_climbs_out_of_the_job_is_refused(
 def test_an_archive_never_follows_a_symlink_out_of_the_checkpoint(
     client: TestClient, settings: Settings, allocation_id: int, tmp_path: Path
 ) -> None:
-    root = job_root(client, settings, allocation_id)
+    root = job_root(client, settings)
     folder = root / "step-1"
     folder.mkdir(parents=True)
     (folder / "state.pt").write_bytes(b"weights")
