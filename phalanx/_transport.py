@@ -105,6 +105,11 @@ class Transport:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
+    def set_token(self, token: str) -> None:
+        """Send `token` on every later request (requests in flight keep the one they were built with)."""
+        self.token = token
+        self._http.headers["Authorization"] = f"Bearer {token}"
+
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request (httpx's keyword arguments: params, json, content, files, headers, timeout)."""
         response = self._http.request(method, API_PREFIX + path, **kwargs)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from phalanx._transport import ApiError, Conflict, Transport, is_transient, reliably
 from phalanx.schemas import (
+    AgentRegistered,
     AgentRegistration,
     AgentView,
     AgentWork,
@@ -40,6 +41,7 @@ from phalanx.schemas import (
     StudyDetail,
     StudySpec,
     StudyState,
+    TeamView,
     TokenCreated,
     TokenView,
 )
@@ -328,11 +330,41 @@ class Client:
     def revoke_token(self, token_id: int) -> None:
         self._request("DELETE", f"/tokens/{token_id}")
 
+    def create_team(self, name: str) -> TeamView:
+        """Cluster admin: a new, empty team."""
+        return TeamView.model_validate_json(self._request("POST", "/teams", json={"name": name}).content)
+
+    def teams(self) -> list[TeamView]:
+        """Your teams with their members (a cluster admin's: all)."""
+        return self._list(TeamView, "/teams")
+
+    def team(self, name: str) -> TeamView:
+        return self._get(TeamView, f"/teams/{name}")
+
+    def set_team_member(self, team: str, user: str, role: str = "member") -> TeamView:
+        """Add `user` to `team` with `role` ("member" or "admin"), or change their role."""
+        response = self._request("PUT", f"/teams/{team}/members/{user}", json={"role": role})
+        return TeamView.model_validate_json(response.content)
+
+    def remove_team_member(self, team: str, user: str) -> TeamView:
+        return TeamView.model_validate_json(self._request("DELETE", f"/teams/{team}/members/{user}").content)
+
     # --- agent protocol ---------------------------------------------------------------------------
 
-    def register_agent(self, registration: AgentRegistration) -> AgentView:
-        response = self._request("POST", "/agents/register", json=registration.model_dump(mode="json"))
-        return AgentView.model_validate_json(response.content)
+    def register_agent(self, registration: AgentRegistration, cluster_token: str | None = None) -> AgentRegistered:
+        """Register with `cluster_token` (the cluster's agent token; default: this client's). The
+        answer carries the agent's new token, which every later agent call must use (`use_token`);
+        a restarting agent proves which it is with its previous one (`registration.agent_token`)."""
+        headers = {"Authorization": f"Bearer {cluster_token}"} if cluster_token else None
+        body = registration.model_dump(mode="json")
+        return AgentRegistered.model_validate_json(
+            self._request("POST", "/agents/register", json=body, headers=headers).content
+        )
+
+    def use_token(self, token: str) -> None:
+        """Send `token` from now on (an agent switches to its own after registering)."""
+        self.token = token
+        self._transport.set_token(token)
 
     def heartbeat(self, agent_id: int) -> None:
         self._request("POST", f"/agents/{agent_id}/heartbeat")

@@ -1,11 +1,20 @@
-"""Who may see and change what: the one place every REST route and dashboard page asks.
+"""Who may see and change what: the one place every REST route, SSE stream and dashboard page asks.
 
-Rules today: a user sees and acts on the jobs and studies they own; an admin on all of them.
-Someone else's object answers 404, as an unknown one does, so ids reveal nothing. Every user may
-list agents; only a cluster admin drains one (403 for others). Tokens: a user lists and
-revokes their own, an admin all; only an admin mints them. A job's ranks hold their allocation's
-own token: it reports metrics and checkpoints for that allocation and reaches nothing else. Agents reach only the
-agent protocol (`server/api/deps.py`'s `AgentDep`).
+Jobs and studies (a trial's job is in its study's team):
+- read: their owner, every member of their team, cluster admins;
+- act (kill, pause, resume, stop): their owner, an admin of their team, cluster admins (a member
+  who may read but not act gets 403 naming who may).
+Someone else's object that a principal may not read answers 404, as an unknown one does, so ids
+reveal nothing.
+
+Teams: members see their team and its members; team admins add and remove members and set roles;
+cluster admins create teams and manage all. Agents: every user lists them, with the names of only
+the jobs they may read; only a cluster admin drains one. Tokens: a user lists and revokes their
+own, a cluster admin all; only a cluster admin mints them.
+
+Machine principals: an agent's own token acts for that agent only (`agent_acts_as`); the cluster's
+bootstrap agent token only registers agents. A job's ranks hold their allocation's own token: it
+reports metrics and checkpoints for that allocation and reaches nothing else.
 
 Each `*_for` reads the row (locked when `lock`) or raises `NotFound`; each `visible_*` is the
 query of what a principal may list, for callers that add their own filters and paging.
@@ -13,50 +22,141 @@ query of what a principal may list, for callers that add their own filters and p
 
 from __future__ import annotations
 
-from sqlalchemy import Select, select
+from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import Session, selectinload
 
 from server.attempts import lock_job
 from server.auth import Principal
 from server.errors import Forbidden, NotFound
-from server.models import ApiToken, Job, TuningStudy
+from server.models import Allocation, AllocationNode, ApiToken, Job, Team, TeamMember, TuningStudy
 from server.studies import get_study
+from server.teams import get_team
+
+
+def _team_ids(principal: Principal, *, admin: bool = False) -> Select[int]:
+    query = select(TeamMember.team_id).where(TeamMember.user_id == principal.user_id)
+    return query.where(TeamMember.role == "admin") if admin else query
+
+
+def _role_in(session: Session, principal: Principal, team_id: int | None) -> str | None:
+    if team_id is None or principal.user_id is None:
+        return None
+    member = session.get(TeamMember, (team_id, principal.user_id))
+    return member.role if member else None
+
+
+def job_readable(principal: Principal) -> ColumnElement[bool]:
+    """The SQL condition on `Job` for the jobs `principal` may read."""
+    if principal.is_admin:
+        return true()
+    return or_(Job.owner_id == principal.user_id, Job.team_id.in_(_team_ids(principal)))
 
 
 def visible_jobs(principal: Principal) -> Select[Job]:
-    query = select(Job).options(selectinload(Job.owner))
-    return query if principal.is_admin else query.where(Job.owner_id == principal.user_id)
+    return select(Job).options(selectinload(Job.owner)).where(job_readable(principal))
 
 
 def visible_studies(principal: Principal) -> Select[TuningStudy]:
     query = select(TuningStudy).options(selectinload(TuningStudy.owner))
-    return query if principal.is_admin else query.where(TuningStudy.owner_id == principal.user_id)
+    if principal.is_admin:
+        return query
+    return query.where(or_(TuningStudy.owner_id == principal.user_id, TuningStudy.team_id.in_(_team_ids(principal))))
+
+
+def _may_read(session: Session, principal: Principal, owner_id: int, team_id: int | None) -> bool:
+    return principal.is_admin or owner_id == principal.user_id or _role_in(session, principal, team_id) is not None
+
+
+def _may_act(session: Session, principal: Principal, owner_id: int, team_id: int | None) -> bool:
+    return principal.is_admin or owner_id == principal.user_id or _role_in(session, principal, team_id) == "admin"
 
 
 def _no_job(job_id: int) -> NotFound:
     return NotFound(
-        f"There is no job {job_id} that you can see: it does not exist or is not yours "
-        "(`phalanx jobs list` lists yours)."
+        f"There is no job {job_id} that you can see: it does not exist or is neither yours nor your team's "
+        "(`phalanx jobs list` lists those you can see)."
     )
 
 
 def job_for(session: Session, principal: Principal, job_id: int, *, lock: bool = False) -> Job:
-    """The job, if `principal` may see it; locked (re-read) when `lock`."""
+    """The job, if `principal` may read it; locked (re-read) when `lock`."""
     job = session.get(Job, job_id)
-    if job is None or not (principal.is_admin or job.owner_id == principal.user_id):
+    if job is None or not _may_read(session, principal, job.owner_id, job.team_id):
         raise _no_job(job_id)
     return lock_job(session, job_id) if lock else job
 
 
-def study_for(session: Session, principal: Principal, study_id: int, *, lock: bool = False) -> TuningStudy:
-    """The study, if `principal` may see it; locked (re-read) when `lock`."""
-    study = session.get(TuningStudy, study_id)
-    if study is None or not (principal.is_admin or study.owner_id == principal.user_id):
-        raise NotFound(
-            f"There is no study {study_id} that you can see: it does not exist or is not yours "
-            "(`phalanx studies list` lists yours)."
+def job_to_change(session: Session, principal: Principal, job_id: int) -> Job:
+    """The job, locked, if `principal` may act on it (404 if they may not even read it, else 403)."""
+    job = job_for(session, principal, job_id)
+    if not _may_act(session, principal, job.owner_id, job.team_id):
+        raise Forbidden(
+            f"job {job_id} belongs to {job.owner.name}: only they, an admin of its team or a cluster admin "
+            "may change it"
         )
-    return get_study(session, study_id, lock=True) if lock else study
+    return lock_job(session, job_id)
+
+
+def may_change_job(session: Session, principal: Principal, job: Job) -> bool:
+    """Whether to offer `principal` the job's kill, pause and resume buttons."""
+    return _may_act(session, principal, job.owner_id, job.team_id)
+
+
+def study_for(session: Session, principal: Principal, study_id: int) -> TuningStudy:
+    """The study, if `principal` may read it."""
+    study = session.get(TuningStudy, study_id)
+    if study is None or not _may_read(session, principal, study.owner_id, study.team_id):
+        raise NotFound(
+            f"There is no study {study_id} that you can see: it does not exist or is neither yours nor your "
+            "team's (`phalanx studies list` lists those you can see)."
+        )
+    return study
+
+
+def study_to_change(session: Session, principal: Principal, study_id: int) -> TuningStudy:
+    """The study, locked, if `principal` may act on it (404 if they may not read it, else 403)."""
+    study = study_for(session, principal, study_id)
+    if not _may_act(session, principal, study.owner_id, study.team_id):
+        raise Forbidden(
+            f"study {study_id} belongs to {study.owner.name}: only they, an admin of its team or a cluster admin "
+            "may change it"
+        )
+    return get_study(session, study_id, lock=True)
+
+
+def may_change_study(session: Session, principal: Principal, study: TuningStudy) -> bool:
+    return _may_act(session, principal, study.owner_id, study.team_id)
+
+
+def visible_teams(principal: Principal) -> Select[Team]:
+    query = select(Team).options(selectinload(Team.members).selectinload(TeamMember.user)).order_by(Team.name)
+    return query if principal.is_admin else query.where(Team.id.in_(_team_ids(principal)))
+
+
+def team_for(session: Session, principal: Principal, name: str, *, lock: bool = False) -> Team:
+    """The team, if `principal` is in it or a cluster admin; locked when `lock`."""
+    team = get_team(session, name, lock=lock)
+    if team is None or not (principal.is_admin or _role_in(session, principal, team.id) is not None):
+        raise NotFound(
+            f"There is no team {name!r} that you are in (`phalanx teams list` lists yours; a cluster admin "
+            "creates teams)."
+        )
+    return team
+
+
+def team_role(session: Session, principal: Principal, team: Team) -> str | None:
+    return _role_in(session, principal, team.id)
+
+
+def may_manage_team(session: Session, principal: Principal, team: Team) -> None:
+    """Members and roles: the team's admins and cluster admins (403 for its other members)."""
+    if not (principal.is_admin or _role_in(session, principal, team.id) == "admin"):
+        raise Forbidden(f"only an admin of team {team.name!r} or a cluster admin manages its members")
+
+
+def may_create_teams(principal: Principal) -> None:
+    if not principal.is_admin:
+        raise Forbidden("creating a team needs a cluster admin's token; ask an admin to create it")
 
 
 def visible_tokens(principal: Principal) -> Select[ApiToken]:
@@ -72,12 +172,45 @@ def token_for(session: Session, principal: Principal, token_id: int) -> ApiToken
     return token
 
 
-def may_report_for(principal: Principal, allocation_id: int) -> None:
-    """A rank's token reports for its own allocation only; an agent's for any it hosts."""
-    if principal.kind == "rank" and principal.allocation_id != allocation_id:
+def may_report_for(session: Session, principal: Principal, allocation_id: int) -> None:
+    """A rank's token reports for its own allocation only; an agent's for those it hosts a node of
+    (the rank's check reads nothing: it runs on every metric batch)."""
+    if principal.kind == "rank":
+        if principal.allocation_id != allocation_id:
+            raise Forbidden(
+                f"this token belongs to allocation {principal.allocation_id}, not to allocation {allocation_id}"
+            )
+        return
+    hosted = session.execute(
+        select(AllocationNode.id)
+        .where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == principal.agent_id)
+        .limit(1)
+    ).first()
+    if principal.agent_id is None or hosted is None:
+        raise Forbidden(f"allocation {allocation_id} has no node on this agent; an agent reports only for its own")
+
+
+def may_fetch_bundle(session: Session, principal: Principal, job_id: int) -> None:
+    """An agent fetches the code of the jobs it hosts a node of, and of no others."""
+    hosted = session.execute(
+        select(AllocationNode.id)
+        .join(Allocation, Allocation.id == AllocationNode.allocation_id)
+        .where(Allocation.job_id == job_id, Allocation.active, AllocationNode.agent_id == principal.agent_id)
+        .limit(1)
+    ).first()
+    if principal.agent_id is None or hosted is None:
+        raise Forbidden(f"job {job_id} has no current node on this agent; an agent fetches only its own jobs' code")
+
+
+def agent_acts_as(principal: Principal, agent_id: int) -> None:
+    """An agent's token acts for that agent alone; the bootstrap token only registers."""
+    if principal.agent_id is None:
         raise Forbidden(
-            f"this token belongs to allocation {principal.allocation_id}, not to allocation {allocation_id}"
+            "the cluster's agent token only registers agents; use the token the registration returned "
+            "(the agent keeps it in its data dir)"
         )
+    if principal.agent_id != agent_id:
+        raise Forbidden(f"this token belongs to agent {principal.agent_id}, not to agent {agent_id}")
 
 
 def may_drain_agents(principal: Principal) -> None:

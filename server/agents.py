@@ -1,7 +1,8 @@
 """Agents: registration, heartbeats, drains and loss, and the slots they offer.
 
 An agent is ACTIVE, DRAINING (no new work; its attempts checkpoint and restart elsewhere) or LOST
-(no heartbeat for the timeout, by the database clock). States change only through
+(no heartbeat for the timeout, by the database clock). Each agent holds its own token, made at its
+first registration; a name stays with that agent until it is LOST. States change only through
 `server.transitions` (`AGENT_ALLOWED`): a restarted agent that re-registers stays DRAINING if it
 was drained, and only a LOST one becomes ACTIVE again. Functions flush, never commit, and note
 their effects in the session.
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from phalanx.schemas import AgentRegistration, AgentState
 from server.attempts import Failure, end_attempts_on_agent, fail_nodes_on_agent
+from server.auth import agent_token, new_agent_secret
 from server.db import SERVER_STARTED
 from server.errors import Conflict, NotFound
 from server.models import Agent, ControlPlane, SlotLease, utcnow
@@ -48,9 +50,15 @@ def get_agent(session: Session, agent_id: int, *, lock: bool = False) -> Agent:
     return agent
 
 
-def register_agent(session: Session, registration: AgentRegistration) -> Agent:
+def register_agent(session: Session, registration: AgentRegistration, proven_agent_id: int | None) -> tuple[Agent, str]:
     """Register, or re-register after a restart: the agent's old processes are gone, so are its
-    nodes (their attempts restart elsewhere). A drained agent stays DRAINING."""
+    nodes (their attempts restart elsewhere). A drained agent stays DRAINING.
+
+    A name belongs to the agent that first registered it: `proven_agent_id` is the agent the
+    caller's token proves it is (its own token, or the one it presents in the registration).
+    Another caller may take the name over only once that agent is LOST (its machine was
+    replaced); otherwise 409. Every registration makes the agent a new secret (the old token stops
+    working): returns the agent and its new token."""
     agent = session.scalars(
         select(Agent).where(Agent.name == registration.name).with_for_update().execution_options(populate_existing=True)
     ).one_or_none()
@@ -58,10 +66,17 @@ def register_agent(session: Session, registration: AgentRegistration) -> Agent:
     if agent is None:
         agent = Agent(name=registration.name, state=AgentState.ACTIVE.value)
         session.add(agent)
+    elif agent.id != proven_agent_id and agent.credential_hash is not None and agent.state != AgentState.LOST.value:
+        raise Conflict(
+            f"agent name {registration.name!r} belongs to a running agent ({agent.state}); if this is that "
+            "agent restarting, start it with the same work dir (it keeps its agent token there), otherwise "
+            "choose another --name or wait until the old agent is declared lost"
+        )
     else:
         fail_nodes_on_agent(session, agent, "the agent restarted while the node ran")
         if agent.state == AgentState.LOST.value:
             transition_agent(session, agent, AgentState.ACTIVE)
+    secret, agent.credential_hash = new_agent_secret()
     agent.address = registration.address
     agent.cpu_slots = registration.cpu_slots
     agent.gpu_slots = registration.gpu_slots
@@ -69,7 +84,7 @@ def register_agent(session: Session, registration: AgentRegistration) -> Agent:
     session.flush()
     note_agent_work(session, [agent.id])
     note_schedule(session)  # its slots are free
-    return agent
+    return agent, agent_token(agent.id, secret)
 
 
 def heartbeat(session: Session, agent_id: int) -> None:

@@ -3,7 +3,9 @@
 Tokens are random strings shown once; only their SHA-256 is stored. A token's kind ("user" or
 "agent") decides which routes it may call. An attempt's ranks get a token of their own
 (`rank_token`: the allocation id and its random credential), which may report metrics and
-checkpoints for that allocation and nothing else. A token may expire (`expires_at`, by the database
+checkpoints for that allocation and nothing else. Each agent likewise gets its own token at its
+first registration (`agent_token`), which acts for that agent only; the cluster's agent token
+(PHALANX_AGENT_TOKEN) only registers. A token may expire (`expires_at`, by the database
 clock); revoking deletes it. The tokens from PHALANX_ADMIN_TOKEN / PHALANX_AGENT_TOKEN are marked
 `configured`: when the setting changes, the old value is retired at the next start.
 """
@@ -21,7 +23,7 @@ from datetime import timedelta
 from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session
 
-from server.models import Allocation, ApiToken, User, utcnow
+from server.models import Agent, Allocation, ApiToken, User, utcnow
 
 # How long a process trusts a token it looked up: a revoked or expired token stops working within
 # this (at once in the process that revoked it).
@@ -36,6 +38,7 @@ class Principal:
     user_id: int | None
     is_admin: bool
     allocation_id: int | None = None  # a rank's: the one allocation it may report for
+    agent_id: int | None = None  # an agent's own token: the one agent it acts for (None: may only register)
 
 
 def hash_token(token: str) -> str:
@@ -74,6 +77,37 @@ class TokenCache:
 
 
 RANK_TOKEN_PREFIX = "phx_r_"
+AGENT_TOKEN_PREFIX = "phx_n_"
+
+
+def agent_token(agent_id: int, secret: str) -> str:
+    """The token an agent gets at its first registration: it names its agent and proves it."""
+    return f"{AGENT_TOKEN_PREFIX}{agent_id}_{secret}"
+
+
+def new_agent_secret() -> tuple[str, str]:
+    """A fresh agent secret and the hash the server keeps of it."""
+    secret = secrets.token_urlsafe(24)
+    return secret, hash_token(secret)
+
+
+def _split_named_token(token: str, prefix: str) -> tuple[int, str] | None:
+    row_id, _, secret = token.removeprefix(prefix).partition("_")
+    if not row_id.isdigit() or len(row_id) > 10 or int(row_id) > 2**31 - 1 or not secret:
+        return None
+    return int(row_id), secret
+
+
+def agent_id_of(session: Session, token: str | None) -> int | None:
+    """The agent `token` belongs to, if it is a valid agent token."""
+    parts = _split_named_token(token, AGENT_TOKEN_PREFIX) if token and token.startswith(AGENT_TOKEN_PREFIX) else None
+    if parts is None:
+        return None
+    agent_id, secret = parts
+    stored = session.execute(select(Agent.credential_hash).where(Agent.id == agent_id)).scalar_one_or_none()
+    if stored is None or not hmac.compare_digest(stored, hash_token(secret)):
+        return None
+    return agent_id
 
 
 def rank_token(allocation_id: int, credential: str) -> str:
@@ -82,27 +116,38 @@ def rank_token(allocation_id: int, credential: str) -> str:
 
 
 def _rank_principal(session: Session, token: str) -> Principal | None:
-    allocation_id, _, credential = token.removeprefix(RANK_TOKEN_PREFIX).partition("_")
-    if not allocation_id.isdigit() or int(allocation_id) > 2**31 - 1 or not credential:
+    parts = _split_named_token(token, RANK_TOKEN_PREFIX)
+    if parts is None:
         return None
-    stored = session.execute(
-        select(Allocation.credential).where(Allocation.id == int(allocation_id))
-    ).scalar_one_or_none()
+    allocation_id, credential = parts
+    stored = session.execute(select(Allocation.credential).where(Allocation.id == allocation_id)).scalar_one_or_none()
     if stored is None or not hmac.compare_digest(stored, credential):
         return None
     return Principal(
         kind="rank",
-        token_id=-int(allocation_id),
+        token_id=-allocation_id,
         name=f"allocation {allocation_id}",
         user_id=None,
         is_admin=False,
-        allocation_id=int(allocation_id),
+        allocation_id=allocation_id,
     )
 
 
 def lookup(session: Session, token: str) -> Principal | None:
     if token.startswith(RANK_TOKEN_PREFIX):
         return _rank_principal(session, token)
+    if token.startswith(AGENT_TOKEN_PREFIX):
+        agent_id = agent_id_of(session, token)
+        if agent_id is None:
+            return None
+        return Principal(
+            kind="agent",
+            token_id=-(2**31) - agent_id,
+            name=f"agent {agent_id}",
+            user_id=None,
+            is_admin=False,
+            agent_id=agent_id,
+        )
     row = session.execute(
         select(ApiToken, User)
         .outerjoin(User, ApiToken.user_id == User.id)

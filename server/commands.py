@@ -1,6 +1,7 @@
 """The use cases a person starts, written once for the REST API and the dashboard: submit, kill,
 pause and resume a job; submit, stop and resume a study; drain an agent; find a checkpoint to
-download; mint and revoke API tokens. Routes and pages only parse the request, call one of these, and render the answer.
+download; mint and revoke API tokens; create teams and manage their members. Routes and pages
+only parse the request, call one of these, and render the answer.
 
 Each function owns its transaction: it asks `server.access` whether the principal may do it
 (404 for what they cannot see), applies the domain rules (`server.jobs`, `server.studies`,
@@ -18,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, agents, auth, checkpoints, jobs, studies, views
+from server import access, agents, auth, checkpoints, jobs, studies, teams, views
 from server.auth import Principal
 from server.bundles import store_bundle
 from server.errors import Conflict, NotFound
@@ -38,18 +39,23 @@ def submit_job(
     """Store the code bundle and queue the job (422 when no agents could ever host it; nothing is
     created then)."""
     checkpoints.check_storage(spec.checkpoint.storage, settings)
+    with session.begin():
+        team = teams.team_for_new_work(session, principal, spec.team)
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     with session.begin():
-        job = jobs.create_job(session, spec, _owner(principal), sha, size)
+        # the team again, in the transaction that creates the job (membership may have changed)
+        team = teams.team_for_new_work(session, principal, spec.team)
+        spec = spec.model_copy(update={"team": team.name if team else None})
+        job = jobs.create_job(session, spec, _owner(principal), sha, size, team_id=team.id if team else None)
         return views.job(session, job, latest=False)
 
 
 def _change_job(
     session: Session, principal: Principal, job_id: int, change: Callable[[Session, Job], object]
 ) -> schemas.JobView:
-    """`change` the job the principal may see, under its row lock."""
+    """`change` the job if the principal may act on it, under its row lock."""
     with session.begin():
-        job = access.job_for(session, principal, job_id, lock=True)
+        job = access.job_to_change(session, principal, job_id)
         change(session, job)
         return views.job(session, job)
 
@@ -89,18 +95,22 @@ def submit_study(
     """Store the trials' code bundle and create the study (422 when no agents could ever host a
     trial; nothing is created then); its driver starts after the commit."""
     checkpoints.check_storage(spec.trial.checkpoint.storage, settings, "trial.checkpoint.storage")
+    with session.begin():
+        team = teams.team_for_new_work(session, principal, spec.team)
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     with session.begin():
-        row = studies.create_study(session, spec, _owner(principal), sha, size)
+        team = teams.team_for_new_work(session, principal, spec.team)
+        spec = spec.model_copy(update={"team": team.name if team else None})
+        row = studies.create_study(session, spec, _owner(principal), sha, size, team_id=team.id if team else None)
         return views.study(session, row)
 
 
 def _change_study(
     session: Session, principal: Principal, study_id: int, change: Callable[[Session, TuningStudy], object]
 ) -> schemas.Study:
-    """`change` the study the principal may see, under its row lock."""
+    """`change` the study if the principal may act on it, under its row lock."""
     with session.begin():
-        row = access.study_for(session, principal, study_id, lock=True)
+        row = access.study_to_change(session, principal, study_id)
         change(session, row)
         return views.study(session, row)
 
@@ -145,3 +155,29 @@ def revoke_token(session: Session, principal: Principal, token_id: int) -> None:
     """Delete the token (404 for one the principal cannot see)."""
     with session.begin():
         session.delete(access.token_for(session, principal, token_id))
+
+
+def create_team(session: Session, principal: Principal, body: schemas.TeamRequest) -> schemas.TeamView:
+    access.may_create_teams(principal)
+    with session.begin():
+        team = teams.create_team(session, body.name)
+        return views.team(session, principal, team)
+
+
+def set_team_member(
+    session: Session, principal: Principal, team_name: str, user_name: str, role: str
+) -> schemas.TeamView:
+    """Add `user_name` to the team with `role`, or change their role (team admins, cluster admins)."""
+    with session.begin():
+        team = access.team_for(session, principal, team_name, lock=True)
+        access.may_manage_team(session, principal, team)
+        teams.set_member(session, team, user_name, role)
+        return views.team(session, principal, team)
+
+
+def remove_team_member(session: Session, principal: Principal, team_name: str, user_name: str) -> schemas.TeamView:
+    with session.begin():
+        team = access.team_for(session, principal, team_name, lock=True)
+        access.may_manage_team(session, principal, team)
+        teams.remove_member(session, team, user_name)
+        return views.team(session, principal, team)

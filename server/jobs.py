@@ -41,6 +41,7 @@ def create_job(
     bundle_sha256: str | None,
     bundle_size: int,
     *,
+    team_id: int | None = None,
     refuse_misfit: bool = True,
 ) -> Job:
     """A QUEUED job. `refuse_misfit=False` for trials: their study was checked when it was created,
@@ -51,6 +52,7 @@ def create_job(
     job = Job(
         name=spec.name,
         owner_id=owner_id,
+        team_id=team_id,
         state=JobState.QUEUED.value,
         spec=spec.model_dump(mode="json"),
         priority=spec.priority,

@@ -72,6 +72,34 @@ class User(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
 
 
+class Team(Base):
+    """An account that jobs and studies belong to: its members read them, its admins manage them."""
+
+    __tablename__ = "teams"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+    members: Mapped[list[TeamMember]] = relationship(
+        order_by="TeamMember.user_id", cascade="all, delete-orphan", back_populates="team"
+    )
+
+
+class TeamMember(Base):
+    """One user's membership of one team; `role` is "member" or "admin" (manages the members and
+    acts on every job and study of the team)."""
+
+    __tablename__ = "team_members"
+
+    team_id: Mapped[int] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), primary_key=True, index=True)
+    role: Mapped[str] = mapped_column(String(8))
+
+    team: Mapped[Team] = relationship(back_populates="members")
+    user: Mapped[User] = relationship()
+
+
 class ApiToken(Base):
     """A bearer token, stored as its SHA-256 only. `kind` separates users from agents."""
 
@@ -100,6 +128,9 @@ class Agent(Base):
     cpu_slots: Mapped[int] = mapped_column(Integer)
     gpu_slots: Mapped[int] = mapped_column(Integer, default=0)
     registered_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    # SHA-256 of the agent's own secret, handed out at its first registration: every later call
+    # (and a re-registration after a restart) proves it is this agent (`auth.agent_token`).
+    credential_hash: Mapped[str | None] = mapped_column(String(64))
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
 
 
@@ -109,6 +140,7 @@ class Job(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(64))
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    team_id: Mapped[int | None] = mapped_column(ForeignKey("teams.id"), index=True)  # None: the owner's own
     state: Mapped[str] = mapped_column(String(16), index=True)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     priority: Mapped[int] = mapped_column(Integer)
@@ -128,6 +160,7 @@ class Job(Base):
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
 
     owner: Mapped[User] = relationship()
+    team: Mapped[Team | None] = relationship()
     events: Mapped[list[JobEvent]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
     allocations: Mapped[list[Allocation]] = relationship(
         order_by="Allocation.attempt", cascade="all, delete-orphan", back_populates="job"
@@ -293,6 +326,7 @@ class TuningStudy(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(64))
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    team_id: Mapped[int | None] = mapped_column(ForeignKey("teams.id"), index=True)  # its trials' team too
     optuna_name: Mapped[str] = mapped_column(String(128), unique=True)
     state: Mapped[str] = mapped_column(String(16), index=True)
     reason: Mapped[str | None] = mapped_column(Text)
@@ -306,6 +340,7 @@ class TuningStudy(Base):
     running_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 
     owner: Mapped[User] = relationship()
+    team: Mapped[Team | None] = relationship()
     trials: Mapped[list[TuningTrial]] = relationship(
         order_by="TuningTrial.number", cascade="all, delete-orphan", back_populates="study"
     )

@@ -34,11 +34,17 @@ def trial_job_spec(spec: StudySpec, number: int, params: dict[str, object]) -> J
     merged over the template's hyperparameters."""
     template = spec.trial.model_dump(mode="json", exclude={"name"})
     template["hyperparameters"] = {**spec.trial.hyperparameters, **params}
-    return JobSpec.model_validate({**template, "name": f"{spec.name}-t{number}"})
+    return JobSpec.model_validate({**template, "name": f"{spec.name}-t{number}", "team": spec.team})
 
 
 def create_study(
-    session: Session, spec: StudySpec, owner_id: int, bundle_sha256: str | None, bundle_size: int
+    session: Session,
+    spec: StudySpec,
+    owner_id: int,
+    bundle_sha256: str | None,
+    bundle_size: int,
+    *,
+    team_id: int | None = None,
 ) -> TuningStudy:
     """A RUNNING study; its driver creates the Optuna study and the first trials. Raises
     `Unprocessable` when no registered agents could ever host a trial."""
@@ -46,6 +52,7 @@ def create_study(
     study = TuningStudy(
         name=spec.name,
         owner_id=owner_id,
+        team_id=team_id,
         optuna_name=f"pending-{uuid.uuid4().hex}",  # unique until the id is known
         state=StudyState.RUNNING.value,
         spec=spec.model_dump(mode="json"),
@@ -83,6 +90,7 @@ def create_trial(
         study.owner_id,
         study.bundle_sha256,
         study.bundle_size,
+        team_id=study.team_id,
         refuse_misfit=False,
     )
     trial = TuningTrial(

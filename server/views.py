@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import instance_state
 
 from phalanx import schemas
+from server.auth import Principal
 from server.models import (
     Agent,
     Allocation,
@@ -22,6 +23,7 @@ from server.models import (
     Job,
     LogLine,
     SlotLease,
+    Team,
     TuningStudy,
     TuningTrial,
     User,
@@ -60,6 +62,7 @@ def jobs(session: Session, rows: Sequence[Job], *, latest: bool = True) -> list[
                 state=schemas.JobState(row.state),
                 spec=schemas.JobSpec.model_validate(row.spec),
                 owner=owners[row.owner_id],
+                team=row.spec.get("team"),
                 priority=row.priority,
                 wait_reason=row.wait_reason,
                 failure_reason=row.failure_reason,
@@ -292,6 +295,7 @@ def _study_detail(row: TuningStudy, trial_rows: list[tuple[TuningTrial, str]], o
         state=schemas.StudyState(row.state),
         reason=row.reason,
         owner=owner,
+        team=spec.team,
         spec=spec,
         optuna_study_name=row.optuna_name,
         created_at=row.created_at,
@@ -314,3 +318,29 @@ def token(row: ApiToken) -> schemas.TokenView:
         expires_at=row.expires_at,
         configured=row.configured,
     )
+
+
+def team(session: Session, principal: Principal, row: Team) -> schemas.TeamView:
+    return teams(session, principal, [row])[0]
+
+
+def teams(session: Session, principal: Principal, rows: Sequence[Team]) -> list[schemas.TeamView]:
+    """The teams with their members (loaded with the rows by `access.visible_teams`)."""
+    result = []
+    for row in rows:
+        members = [schemas.TeamMemberView(user=m.user.name, role=_role(m.role)) for m in row.members]
+        mine = next((m.role for m in row.members if m.user_id == principal.user_id), None)
+        result.append(
+            schemas.TeamView(
+                id=row.id,
+                name=row.name,
+                created_at=row.created_at,
+                members=sorted(members, key=lambda m: m.user),
+                your_role=_role(mine) if mine else None,
+            )
+        )
+    return result
+
+
+def _role(role: str) -> schemas.TeamRole:
+    return "admin" if role == "admin" else "member"

@@ -30,6 +30,9 @@ log = logging.getLogger("phalanx.agent")
 # Lines are shipped in batches this often (or at 500 pending): each request costs the server CPU
 # that training on the same machine would otherwise get; a second is still "live" for a person.
 SHIP_INTERVAL_S = 1.0
+# The agent's own token (from its last registration), beside the jobs' workdirs, never in one:
+# only the agent's OS user may read it.
+AGENT_TOKEN_FILE = "agent-token"
 # Warm torchruns are topped up after this long without a node running here (see prime_when_idle).
 WARM_TOP_UP_IDLE_S = 5.0
 
@@ -225,15 +228,25 @@ class AgentDaemon:
         self._lock = threading.Lock()
 
     def register(self) -> None:
+        """Register with the cluster's agent token, proving with the token kept from the last
+        registration (if any) that a taken name is this agent restarting; then act with the new one."""
+        token_file = self.config.work_dir / AGENT_TOKEN_FILE
+        previous = token_file.read_text().strip() if token_file.is_file() else None
         registration = AgentRegistration(
             name=self.config.name,
             address=self.config.address,
             cpu_slots=self.config.cpu_slots,
             gpu_slots=self.config.gpu_slots,
+            agent_token=previous or None,
         )
-        agent = reliably(lambda: self.client.register_agent(registration))
+        agent = reliably(lambda: self.client.register_agent(registration, self.config.token))
+        self.config.work_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(agent.agent_token)
+        self.client.use_token(agent.agent_token)
         self.agent_id = agent.id
-        log.info("registered as agent %d (%s, %s)", agent.id, agent.name, agent.address)
+        log.info("registered as agent %d (%s, %s)", agent.id, agent.name, self.config.address)
 
     def forget(self, runner: NodeRunner) -> None:
         with self._lock:

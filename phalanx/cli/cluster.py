@@ -1,4 +1,5 @@
-"""The cluster: its agents (`agents list|drain`) and API tokens (`tokens create|list|revoke`)."""
+"""The cluster: its agents (`agents list|drain`), API tokens (`tokens create|list|revoke`) and
+teams (`teams create|list|show|add-member|remove-member`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import typer
 from rich.table import Table
 
 from phalanx.cli.output import JsonOpt, api, console, fail, print_json
+from phalanx.schemas import TeamView
 
 agents_app = typer.Typer(help="Inspect agents (the nodes that run workers).", no_args_is_help=True)
 tokens_app = typer.Typer(help="API tokens: mint (admin), list and revoke.", no_args_is_help=True)
+teams_app = typer.Typer(
+    help="Teams: their members read each other's jobs; team admins act on them.", no_args_is_help=True
+)
 
 
 @agents_app.command("drain")
@@ -107,3 +112,78 @@ def tokens_revoke(token_id: int) -> None:
     with api() as client:
         client.revoke_token(token_id)
     console.print(f"token {token_id} revoked")
+
+
+def _print_team(team: TeamView) -> None:
+    members = ", ".join(f"{m.user} ({m.role})" for m in team.members) or "no members yet"
+    console.print(f"[bold]{team.name}[/bold]: {members}")
+
+
+@teams_app.command("create")
+def teams_create(name: str, as_json: JsonOpt = False) -> None:
+    """Create a team (cluster admin); then `phalanx teams add-member NAME USER --role admin`."""
+    with api() as client:
+        team = client.create_team(name)
+    if as_json:
+        print_json(team)
+    else:
+        console.print(f"team {team.name} created; add members with `phalanx teams add-member {team.name} USER`")
+
+
+@teams_app.command("list")
+def teams_list(as_json: JsonOpt = False) -> None:
+    """Your teams and their members (a cluster admin sees every team)."""
+    with api() as client:
+        teams = client.teams()
+    if as_json:
+        print_json(teams)
+        return
+    table = Table()
+    for column in ("name", "your role", "members"):
+        table.add_column(column)
+    for t in teams:
+        members = ", ".join(f"{m.user}{' (admin)' if m.role == 'admin' else ''}" for m in t.members)
+        table.add_row(t.name, t.your_role or "-", members or "none")
+    console.print(table)
+
+
+@teams_app.command("show")
+def teams_show(name: str, as_json: JsonOpt = False) -> None:
+    """One team and its members."""
+    with api() as client:
+        team = client.team(name)
+    if as_json:
+        print_json(team)
+    else:
+        _print_team(team)
+
+
+@teams_app.command("add-member")
+def teams_add_member(
+    team: str,
+    user: str,
+    role: Annotated[str, typer.Option(help="member or admin (admins manage members and act on the team's jobs)")] = (
+        "member"
+    ),
+    as_json: JsonOpt = False,
+) -> None:
+    """Add USER to TEAM, or change their role (the team's admins, cluster admins)."""
+    if role not in ("member", "admin"):
+        fail("--role must be 'member' or 'admin'", 2)
+    with api() as client:
+        updated = client.set_team_member(team, user, role)
+    if as_json:
+        print_json(updated)
+    else:
+        _print_team(updated)
+
+
+@teams_app.command("remove-member")
+def teams_remove_member(team: str, user: str, as_json: JsonOpt = False) -> None:
+    """Take USER out of TEAM; their jobs in it stay there."""
+    with api() as client:
+        updated = client.remove_team_member(team, user)
+    if as_json:
+        print_json(updated)
+    else:
+        _print_team(updated)

@@ -20,6 +20,7 @@ app.command()(jobs.submit)
 app.add_typer(jobs.app, name="jobs")
 app.add_typer(cluster.agents_app, name="agents")
 app.add_typer(cluster.tokens_app, name="tokens")
+app.add_typer(cluster.teams_app, name="teams")
 app.add_typer(jobs.checkpoints_app, name="checkpoints")
 app.add_typer(studies.app, name="studies")
 

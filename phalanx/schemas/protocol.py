@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from phalanx.schemas._base import NAME_PATTERN, StrictModel
-from phalanx.schemas.enums import Precision, SlotType
+from phalanx.schemas.enums import AgentState, Precision, SlotType
 
 # What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
 # refused here (422) instead of failing the insert.
@@ -34,6 +34,18 @@ class AgentRegistration(StrictModel):
     address: Annotated[str, Field(min_length=1, max_length=255)]
     cpu_slots: int = Field(ge=0, le=4096)
     gpu_slots: int = Field(0, ge=0, le=256)
+    # The agent's own token from its first registration (kept in its data dir): proves that a
+    # re-registration under a taken name is that agent restarting.
+    agent_token: Annotated[str | None, Field(max_length=256)] = None
+
+
+class AgentRegistered(BaseModel):
+    """The registration's answer: which agent this is, and the token it must use from now on."""
+
+    id: int
+    name: str
+    state: AgentState
+    agent_token: str  # `phx_n_<id>_<secret>`: acts for this agent only
 
 
 class ResumePoint(BaseModel):

@@ -49,6 +49,9 @@ class JobSpec(StrictModel):
     """A job file. Every field a user may write; nothing else is accepted."""
 
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    team: Annotated[str | None, Field(pattern=NAME_PATTERN)] = Field(
+        None, description="The team the job belongs to (default: your only team; none if you have none)."
+    )
     entrypoint: Annotated[str, Field(min_length=1, max_length=4096)]
     workdir: str = "."
     resources: Resources = Field(default_factory=Resources)
@@ -264,6 +267,8 @@ class TrialTemplate(JobSpec):
     def _no_name(self) -> TrialTemplate:
         if "name" in self.model_fields_set:
             raise ValueError("trial.name is not used: trial jobs are named <study name>-t<trial number>")
+        if "team" in self.model_fields_set:
+            raise ValueError("trial.team is not used: trials run in the study's team (give `team` at the top)")
         return self
 
 
@@ -271,6 +276,9 @@ class StudySpec(StrictModel):
     """A study file. Optuna drives the trials; each trial is a Phalanx job."""
 
     name: Annotated[str, Field(pattern=STUDY_NAME_PATTERN)]
+    team: Annotated[str | None, Field(pattern=NAME_PATTERN)] = Field(
+        None, description="The team the study and its trials belong to (default: your only team)."
+    )
     objective: Objective | Annotated[list[Objective], Field(min_length=1)] = Field(
         description="The metric to optimise, or a list of them (multi-objective)."
     )

@@ -51,6 +51,7 @@ class JobView(BaseModel):
     state: JobState
     spec: JobSpec
     owner: str
+    team: str | None = None  # None: the owner's own job
     priority: int
     wait_reason: str | None
     failure_reason: str | None
@@ -135,6 +136,31 @@ class TokenView(BaseModel):
 
 MAX_TOKEN_LIFETIME_S = 10 * 365 * 86400
 
+TeamRole = Literal["member", "admin"]
+
+
+class TeamRequest(StrictModel):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+class MembershipRequest(StrictModel):
+    role: TeamRole = "member"
+
+
+class TeamMemberView(BaseModel):
+    user: str
+    role: TeamRole
+
+
+class TeamView(BaseModel):
+    """A team as its members see it (and cluster admins, every team)."""
+
+    id: int
+    name: str
+    created_at: datetime
+    members: list[TeamMemberView]
+    your_role: TeamRole | None  # None: you are a cluster admin outside the team
+
 
 class TokenRequest(StrictModel):
     kind: Literal["user", "agent"] = "user"
@@ -163,6 +189,7 @@ class Study(BaseModel):
     state: StudyState
     reason: str | None
     owner: str
+    team: str | None = None
     spec: StudySpec
     optuna_study_name: str
     created_at: datetime

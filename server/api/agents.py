@@ -13,11 +13,11 @@ from sqlalchemy.orm import Session, selectinload
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import agents, attempts, auth, commands, views
+from server import access, agents, attempts, auth, commands, views
 from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
 from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
-from server.errors import Conflict, NotFound
+from server.errors import Conflict, Forbidden, NotFound
 from server.ingest import from_unix
 from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
 from server.settings import Settings
@@ -38,16 +38,27 @@ def list_agents(session: SessionDep, _: UserDep) -> list[schemas.AgentView]:
         return views.agents(session, list(session.scalars(select(Agent).order_by(Agent.id))))
 
 
-@router.post("/register", response_model=schemas.AgentView)
-def register(registration: schemas.AgentRegistration, session: SessionDep, _: AgentDep) -> schemas.AgentView:
-    """Register, or re-register after a restart: the agent's old processes are gone, so are its nodes."""
+@router.post("/register", response_model=schemas.AgentRegistered)
+def register(
+    registration: schemas.AgentRegistration, session: SessionDep, principal: AgentDep
+) -> schemas.AgentRegistered:
+    """Register, or re-register after a restart: the agent's old processes are gone, so are its
+    nodes. The answer carries the agent's new token, which every later call must use."""
     with session.begin():
-        agent = agents.register_agent(session, registration)
-        return views.agents(session, [agent])[0]
+        proven = principal.agent_id or auth.agent_id_of(session, registration.agent_token)
+        if principal.agent_id is not None:
+            named = session.scalars(select(Agent.id).where(Agent.name == registration.name)).first()
+            if named != principal.agent_id:
+                raise Forbidden(f"this token belongs to agent {principal.agent_id}; it re-registers that agent only")
+        agent, token = agents.register_agent(session, registration, proven)
+        return schemas.AgentRegistered(
+            id=agent.id, name=agent.name, state=schemas.AgentState(agent.state), agent_token=token
+        )
 
 
 @router.post("/{agent_id}/heartbeat", status_code=204)
-def heartbeat(agent_id: RowId, session: SessionDep, _: AgentDep) -> Response:
+def heartbeat(agent_id: RowId, session: SessionDep, principal: AgentDep) -> Response:
+    access.agent_acts_as(principal, agent_id)
     with session.begin():
         agents.heartbeat(session, agent_id)
     return Response(status_code=204)
@@ -116,8 +127,8 @@ async def agent_work(
     agent_id: RowId,
     request: Request,
     services: ServicesDep,
-    _: AgentDep,
-    version: str = "",
+    principal: AgentDep,
+    version: Annotated[str, Query(max_length=64)] = "",
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
 ) -> schemas.AgentWork:
     """The agent's assignments; with `version` and `wait`, hangs until they differ from that version.
@@ -125,6 +136,7 @@ async def agent_work(
     A long-poll whose agent hangs up is a hint that the agent died (a live agent polls again at
     once): the reaper is then run the moment that agent's heartbeat timeout expires, instead of at
     its next periodic pass. Whether the agent is lost is still decided by its heartbeats alone."""
+    access.agent_acts_as(principal, agent_id)
     settings = services.settings
 
     def load() -> schemas.AgentWork:
@@ -169,8 +181,9 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
 def rendezvous(
-    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, session: SessionDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, session: SessionDep, principal: AgentDep
 ) -> Response:
+    access.agent_acts_as(principal, agent_id)
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
     with session.begin():
         allocation, _node = attempts.find_node(session, agent_id, allocation_id, 0)
@@ -183,8 +196,9 @@ def rendezvous(
 
 @router.post("/{agent_id}/allocations/{allocation_id}/started", status_code=204)
 def node_started(
-    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, session: SessionDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, session: SessionDep, principal: AgentDep
 ) -> Response:
+    access.agent_acts_as(principal, agent_id)
     with session.begin():
         allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
         attempts.record_node_started(session, allocation, node)
@@ -193,8 +207,9 @@ def node_started(
 
 @router.post("/{agent_id}/allocations/{allocation_id}/exit", status_code=204)
 def node_exit(
-    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, session: SessionDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, session: SessionDep, principal: AgentDep
 ) -> Response:
+    access.agent_acts_as(principal, agent_id)
     with session.begin():
         allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
         attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason)
@@ -203,8 +218,9 @@ def node_exit(
 
 @router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)
 async def ship_logs(
-    agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, _: AgentDep
+    agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, principal: AgentDep
 ) -> Response:
+    access.agent_acts_as(principal, agent_id)
     raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.LogBatch.model_validate_json(raw)

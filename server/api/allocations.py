@@ -26,7 +26,6 @@ async def post_metrics(
     allocation_id: RowId, request: Request, services: ServicesDep, reporter: ReporterDep
 ) -> Response:
     """Store a batch of `report()` records. 409 once the allocation is superseded or ended."""
-    access.may_report_for(reporter, allocation_id)
     raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.MetricBatchIn.model_validate_json(raw)
@@ -38,6 +37,7 @@ async def post_metrics(
         trial's study is driven when the batch carries its objective (intermediate values for
         Optuna, and its pruner's verdict)."""
         with services.sessions() as session, session.begin():
+            access.may_report_for(session, reporter, allocation_id)
             row = session.execute(
                 select(Allocation.job_id, Allocation.active, Allocation.fenced, TuningTrial.study_id)
                 .outerjoin(TuningTrial, TuningTrial.job_id == Allocation.job_id)
@@ -81,8 +81,8 @@ def commit_checkpoint(
     reporter: ReporterDep,
 ) -> schemas.CheckpointView:
     """Rank 0 reports a checkpoint whose files were renamed into place. 409 once superseded."""
-    access.may_report_for(reporter, allocation_id)
     with session.begin():
+        access.may_report_for(session, reporter, allocation_id)
         allocation = session.get(Allocation, allocation_id)
         if allocation is None:
             raise NotFound(f"allocation {allocation_id} does not exist")

@@ -147,8 +147,10 @@ def job_metrics(
 
 
 @router.get("/{job_id}/bundle", response_class=FileResponse)
-def job_bundle(job_id: RowId, session: SessionDep, settings: SettingsDep, _: AgentDep) -> FileResponse:
+def job_bundle(job_id: RowId, session: SessionDep, settings: SettingsDep, agent: AgentDep) -> FileResponse:
+    """The job's code, for an agent that hosts one of its current nodes (403 for any other)."""
     with session.begin():
+        access.may_fetch_bundle(session, agent, job_id)
         sha = jobs.get_job(session, job_id).bundle_sha256
     if sha is None:
         raise NotFound(f"job {job_id} was submitted without a code bundle")

@@ -21,6 +21,7 @@ from server.app import create_app
 from server.db import SchemaOutOfDate, engine_for, session_scope
 from server.models import Agent, ControlPlane, Job, Metric
 from server.settings import Settings
+from tests.agent_tokens import CLUSTER_AGENT, as_agent, as_rank, register_agent
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN, PG_ADMIN
 
 pytestmark = pytest.mark.integration
@@ -59,11 +60,7 @@ def submit(client: TestClient, body: dict[str, Any], bundle: bytes | None = None
 
 
 def register(client: TestClient, name: str, slots: int = 1) -> int:
-    response = client.post(
-        "/api/v1/agents/register", json={"name": name, "address": "127.0.0.1", "cpu_slots": slots}, headers=AGENT
-    )
-    assert response.status_code == 200, response.text
-    return int(response.json()["id"])
+    return register_agent(client, name, slots)
 
 
 def count(settings: Settings, model: type[Any]) -> int:
@@ -152,7 +149,7 @@ def test_oversized_payloads_get_413(settings: Settings) -> None:
             content=json.dumps(
                 {"records": [{"rank": 0, "step": i, "time": 0.0, "values": {"x": 1}} for i in range(50)]}
             ),
-            headers=AGENT,
+            headers=CLUSTER_AGENT,
         )
         assert response.status_code == 413
 
@@ -174,51 +171,63 @@ def test_job_runs_from_submit_to_completed(client: TestClient, settings: Setting
     head, other = ranks[0], ranks[1]
 
     # agents see their assignment; the bundle downloads
-    work = client.get(f"/api/v1/agents/{head}/work", headers=AGENT).json()
+    work = client.get(f"/api/v1/agents/{head}/work", headers=as_agent(head)).json()
     (assignment,) = work["assignments"]
     assert assignment["node_rank"] == 0 and assignment["master_port"] is None
     assert assignment["hyperparameters"] == {"lr": 0.1} and assignment["nnodes"] == 2
-    assert client.get(f"/api/v1/jobs/{job_id}/bundle", headers=AGENT).content == bundle_bytes()
+    assert client.get(f"/api/v1/jobs/{job_id}/bundle", headers=as_agent(head)).content == bundle_bytes()
 
     # an unchanged version long-polls until the timeout; a change answers at once
     started = time.monotonic()
-    same = client.get(f"/api/v1/agents/{other}/work", params={"version": "x", "wait": 0}, headers=AGENT).json()
+    same = client.get(
+        f"/api/v1/agents/{other}/work", params={"version": "x", "wait": 0}, headers=as_agent(other)
+    ).json()
     unchanged = client.get(
-        f"/api/v1/agents/{other}/work", params={"version": same["version"], "wait": 0.5}, headers=AGENT
+        f"/api/v1/agents/{other}/work", params={"version": same["version"], "wait": 0.5}, headers=as_agent(other)
     ).json()
     assert unchanged["version"] == same["version"] and time.monotonic() - started >= 0.5
 
     # only rank 0's agent sets the rendezvous; the other agent may not report for it
     url = f"/api/v1/agents/{{agent}}/allocations/{alloc_id}"
     assert (
-        client.post(url.format(agent=other) + "/rendezvous", json={"master_port": 1234}, headers=AGENT).status_code
+        client.post(
+            url.format(agent=other) + "/rendezvous", json={"master_port": 1234}, headers=as_agent(other)
+        ).status_code
         == 409
     )
     assert (
-        client.post(url.format(agent=head) + "/rendezvous", json={"master_port": 29600}, headers=AGENT).status_code
+        client.post(
+            url.format(agent=head) + "/rendezvous", json={"master_port": 29600}, headers=as_agent(head)
+        ).status_code
         == 204
     )
-    assignment = client.get(f"/api/v1/agents/{other}/work", headers=AGENT).json()["assignments"][0]
+    assignment = client.get(f"/api/v1/agents/{other}/work", headers=as_agent(other)).json()["assignments"][0]
     assert assignment["master_port"] == 29600
 
     for agent, rank in ((head, 0), (other, 1)):
         assert (
-            client.post(url.format(agent=agent) + "/started", json={"node_rank": rank}, headers=AGENT).status_code
+            client.post(
+                url.format(agent=agent) + "/started", json={"node_rank": rank}, headers=as_agent(agent)
+            ).status_code
             == 204
         )
     assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "RUNNING"
 
     # an agent may not report a node that is not its own
-    wrong = client.post(url.format(agent=other) + "/exit", json={"node_rank": 0, "exit_code": 0}, headers=AGENT)
+    wrong = client.post(
+        url.format(agent=other) + "/exit", json={"node_rank": 0, "exit_code": 0}, headers=as_agent(other)
+    )
     assert wrong.status_code == 409 and "belongs to agent" in wrong.json()["error"]
 
     records = [
         {"rank": r, "step": s, "time": time.time(), "values": {"loss": 1.0 / (s + 1)}} for r in (0, 1) for s in range(5)
     ]
-    posted = client.post(f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records}, headers=AGENT)
+    posted = client.post(
+        f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records}, headers=as_rank(client, alloc_id)
+    )
     assert posted.status_code == 204
     lines = {"lines": [{"rank": 1, "stream": "stdout", "time": time.time(), "line": "hello from 1"}]}
-    assert client.post(url.format(agent=other) + "/logs", json=lines, headers=AGENT).status_code == 204
+    assert client.post(url.format(agent=other) + "/logs", json=lines, headers=as_agent(other)).status_code == 204
 
     listed = client.get("/api/v1/jobs", headers=USER).json()
     assert listed[0]["latest_metrics"] == {"loss": pytest.approx(0.2)} and listed[0]["latest_step"] == 4
@@ -228,7 +237,7 @@ def test_job_runs_from_submit_to_completed(client: TestClient, settings: Setting
 
     for agent, rank in ((head, 0), (other, 1)):
         response = client.post(
-            url.format(agent=agent) + "/exit", json={"node_rank": rank, "exit_code": 0}, headers=AGENT
+            url.format(agent=agent) + "/exit", json={"node_rank": rank, "exit_code": 0}, headers=as_agent(agent)
         )
         assert response.status_code == 204
     final = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
@@ -237,7 +246,9 @@ def test_job_runs_from_submit_to_completed(client: TestClient, settings: Setting
     assert client.get("/api/v1/agents", headers=USER).json()[0]["used_cpu_slots"] == 0
 
     # a finished allocation is fenced: late metrics are refused and nothing is stored
-    late = client.post(f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records[:1]}, headers=AGENT)
+    late = client.post(
+        f"/api/v1/allocations/{alloc_id}/metrics", json={"records": records[:1]}, headers=as_rank(client, alloc_id)
+    )
     assert late.status_code == 409
     assert count(settings, Metric) == 10
     assert client.post(f"/api/v1/jobs/{job_id}/kill", headers=USER).status_code == 409
@@ -253,18 +264,18 @@ def test_failed_rank_fails_the_job_and_stops_the_gang(client: TestClient, settin
     response = client.post(
         f"/api/v1/agents/{node1_agent}/allocations/{allocation['id']}/exit",
         json={"node_rank": 1, "exit_code": 3, "reason": "Traceback: boom"},
-        headers=AGENT,
+        headers=as_agent(node1_agent),
     )
     assert response.status_code == 204
     # the survivor is killed at once: the attempt failed and is fenced
-    (survivor,) = client.get(f"/api/v1/agents/{node0_agent}/work", headers=AGENT).json()["assignments"]
+    (survivor,) = client.get(f"/api/v1/agents/{node0_agent}/work", headers=as_agent(node0_agent)).json()["assignments"]
     assert survivor["desired"] == "kill"
     # what the failure costs is settled once every node is gone (the first exit may be collateral)
     assert client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["state"] == "RESTARTING"
     response = client.post(
         f"/api/v1/agents/{node0_agent}/allocations/{allocation['id']}/exit",
         json={"node_rank": 0, "exit_code": -9},
-        headers=AGENT,
+        headers=as_agent(node0_agent),
     )
     job = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()
     assert job["state"] == "FAILED"
@@ -280,7 +291,7 @@ def test_kill_stops_every_node(client: TestClient, settings: Settings) -> None:
     killed = client.post(f"/api/v1/jobs/{job_id}/kill", headers=USER)
     assert killed.status_code == 200 and killed.json()["state"] == "CANCELLED"
     for agent in client.get("/api/v1/agents", headers=USER).json():
-        work = client.get(f"/api/v1/agents/{agent['id']}/work", headers=AGENT).json()
+        work = client.get(f"/api/v1/agents/{agent['id']}/work", headers=as_agent(agent["id"])).json()
         assert [a["desired"] for a in work["assignments"]] == ["stop"]
 
 
@@ -347,7 +358,7 @@ def test_reaper_declares_silent_agents_lost_by_the_database_clock(client: TestCl
     # a lost agent is the infrastructure's fault: the job restarts on the separate budget
     assert job["state"] == "RESTARTING" and "lost" in job["allocations"][-1]["end_reason"]
     # a lost agent that heartbeats is told to register again
-    beat = client.post(f"/api/v1/agents/{a0}/heartbeat", headers=AGENT)
+    beat = client.post(f"/api/v1/agents/{a0}/heartbeat", headers=as_agent(a0))
     assert beat.status_code == 409 and "register again" in beat.json()["error"]
     register(client, "a0")
     assert {a["state"] for a in client.get("/api/v1/agents", headers=USER).json()} == {"ACTIVE"}

@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 
 from server.dashboard import job_pages
 from server.settings import Settings
+from tests.agent_tokens import as_agent
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 
 
 def submit(client: TestClient, headers: dict[str, str] = USER, **spec: Any) -> int:
@@ -176,7 +176,7 @@ def test_the_logs_page_filters_by_rank_and_escapes(client: TestClient, settings:
         {"rank": 1, "stream": "stderr", "time": 0.0, "line": "hello from one"},
     ]
     url = f"/api/v1/agents/1/allocations/{allocation['id']}/logs"
-    assert client.post(url, json={"lines": lines}, headers=AGENT).status_code == 204
+    assert client.post(url, json={"lines": lines}, headers=as_agent(1)).status_code == 204
     sign_in(client)
     both = client.get(f"/jobs/{job_id}/logs").text
     assert "[rank 0] hello from &lt;b&gt;zero&lt;/b&gt;" in both and "[rank 1] hello from one" in both

@@ -18,8 +18,9 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.dashboard.metric_series import lttb_indices
 from server.settings import Settings
+from tests.agent_tokens import as_agent, as_rank
 from tests.conftest import ADMIN_TOKEN
-from tests.integration.test_dashboard import AGENT, USER, schedule, submit
+from tests.integration.test_dashboard import USER, schedule, submit
 from tests.processes import free_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,11 @@ def running_job(client: TestClient, settings: Settings, slots: int = 2) -> tuple
 
 
 def post_metrics(client: Any, allocation_id: int, records: list[dict[str, Any]]) -> None:
-    response = client.post(f"/api/v1/allocations/{allocation_id}/metrics", json={"records": records}, headers=AGENT)
+    response = client.post(
+        f"/api/v1/allocations/{allocation_id}/metrics",
+        json={"records": records},
+        headers=as_rank(client, allocation_id),
+    )
     assert response.status_code == 204, response.text
 
 
@@ -144,7 +149,7 @@ def test_a_jobs_stream_sends_new_points_and_lines_then_its_end(client: TestClien
             }
             line = {"rank": 1, "stream": "stdout", "time": 1.0, "line": "<hello>"}
             logs = http.post(
-                f"/api/v1/agents/1/allocations/{allocation_id}/logs", json={"lines": [line]}, headers=AGENT
+                f"/api/v1/agents/1/allocations/{allocation_id}/logs", json={"lines": [line]}, headers=as_agent(1)
             )
             assert logs.status_code == 204
             name, data = next(stream)

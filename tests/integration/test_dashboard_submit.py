@@ -14,14 +14,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from scheduler.service import schedule_pass
 from server.app import create_app
+from server.db import session_scope
 from server.settings import Settings
 from server.task_names import ADVANCE_STUDY_TASK, SCHEDULE_TASK
-from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+from tests.agent_tokens import as_agent, register_agent
+from tests.conftest import ADMIN_TOKEN
 
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 EMPTY_FILE = ("", b"", "application/octet-stream")  # what a browser sends for a file input left empty
 
 JOB = """\
@@ -56,7 +58,7 @@ def client(settings: Settings, enqueued: list[tuple[Any, ...]]) -> Iterator[Test
     app = create_app(settings, enqueue=lambda *task, **_: enqueued.append(task))
     with TestClient(app, follow_redirects=False) as test_client:
         body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 2}
-        assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+        register_agent(test_client, **body)
         response = test_client.post("/login", data={"token": ADMIN_TOKEN, "csrf_token": csrf(test_client)})
         assert response.status_code == 303
         yield test_client
@@ -111,8 +113,14 @@ def zipped(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def stored_bundle(client: TestClient, job_id: int) -> dict[str, bytes]:
-    response = client.get(f"/api/v1/jobs/{job_id}/bundle", headers=AGENT)
+def schedule(settings: Settings) -> None:
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+
+
+def stored_bundle(client: TestClient, settings: Settings, job_id: int) -> dict[str, bytes]:
+    schedule(settings)  # an agent fetches the code of the jobs it hosts
+    response = client.get(f"/api/v1/jobs/{job_id}/bundle", headers=as_agent(1))
     assert response.status_code == 200, response.text
     with tarfile.open(fileobj=io.BytesIO(response.content), mode="r:gz") as tar:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
@@ -181,7 +189,9 @@ def test_the_page_needs_a_session_and_offers_both_ways(client: TestClient) -> No
     assert client.get("/submit").headers["location"] == "/login?next=/submit"
 
 
-def test_an_uploaded_job_file_becomes_a_queued_job(client: TestClient, enqueued: list[tuple[Any, ...]]) -> None:
+def test_an_uploaded_job_file_becomes_a_queued_job(
+    client: TestClient, settings: Settings, enqueued: list[tuple[Any, ...]]
+) -> None:
     response = post(client, file=JOB)
     assert response.status_code == 303, response.text
     [job] = jobs(client)
@@ -192,23 +202,24 @@ def test_an_uploaded_job_file_becomes_a_queued_job(client: TestClient, enqueued:
     assert job["spec"]["hyperparameters"] == {"lr": 0.05}
     assert (SCHEDULE_TASK,) in enqueued  # kicked, as the REST route does
     assert client.get(response.headers["location"]).status_code == 200
-    assert client.get(f"/api/v1/jobs/{job['id']}/bundle", headers=AGENT).status_code == 404  # no code sent
+    schedule(settings)
+    assert client.get(f"/api/v1/jobs/{job['id']}/bundle", headers=as_agent(1)).status_code == 404  # no code sent
 
 
-def test_pasted_yaml_with_a_tar_gz_bundle(client: TestClient) -> None:
+def test_pasted_yaml_with_a_tar_gz_bundle(client: TestClient, settings: Settings) -> None:
     code = tar_gz({"train.py": b"print('hi')\n"})
     response = post(client, text=JOB.replace("\n", "\r\n"), bundle=("code.tar.gz", code))  # as browsers send it
     assert response.status_code == 303, response.text
     [job] = jobs(client)
-    assert stored_bundle(client, job["id"]) == {"./train.py": b"print('hi')\n"}
+    assert stored_bundle(client, settings, job["id"]) == {"./train.py": b"print('hi')\n"}
 
 
-def test_a_zip_is_stored_as_the_same_tar_gz(client: TestClient) -> None:
+def test_a_zip_is_stored_as_the_same_tar_gz(client: TestClient, settings: Settings) -> None:
     code = zipped({"train.py": b"print('hi')\n", "lib/util.py": b"X = 1\n"})
     response = post(client, text=JOB, bundle=("code.zip", code))
     assert response.status_code == 303, response.text
     [job] = jobs(client)
-    assert stored_bundle(client, job["id"]) == {"./train.py": b"print('hi')\n", "./lib/util.py": b"X = 1\n"}
+    assert stored_bundle(client, settings, job["id"]) == {"./train.py": b"print('hi')\n", "./lib/util.py": b"X = 1\n"}
 
 
 def test_bad_archives_are_refused_and_must_be_chosen_again(client: TestClient) -> None:

@@ -18,11 +18,11 @@ from server.checkpoints import delete_marked
 from server.db import session_scope
 from server.models import Allocation, Checkpoint, Metric
 from server.settings import Settings
-from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+from tests.agent_tokens import as_agent, as_rank, register_agent
+from tests.conftest import ADMIN_TOKEN
 
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def client(settings: Settings) -> Iterator[TestClient]:
 def setup_job(client: TestClient, settings: Settings, agents: int = 3, **spec: Any) -> int:
     for i in range(agents):
         body = {"name": f"a{i}", "address": "127.0.0.1", "cpu_slots": 1}
-        assert client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+        register_agent(client, **body)
     full = {"name": "ft", "entrypoint": "python train.py", "resources": {"nodes": 2}, **spec}
     response = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(full))}, headers=USER)
     assert response.status_code == 201, response.text
@@ -59,7 +59,10 @@ def start_all(client: TestClient, job_id: int) -> dict[str, Any]:
     allocation = job(client, job_id)["allocations"][-1]
     for node in allocation["nodes"]:
         url = f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/started"
-        assert client.post(url, json={"node_rank": node["node_rank"]}, headers=AGENT).status_code == 204
+        assert (
+            client.post(url, json={"node_rank": node["node_rank"]}, headers=as_agent(node["agent_id"])).status_code
+            == 204
+        )
     return allocation
 
 
@@ -67,12 +70,14 @@ def exit_node(client: TestClient, allocation: dict[str, Any], rank: int, code: i
     node = next(n for n in allocation["nodes"] if n["node_rank"] == rank)
     url = f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/exit"
     body = {"node_rank": rank, "exit_code": code, "reason": reason}
-    assert client.post(url, json=body, headers=AGENT).status_code == 204
+    assert client.post(url, json=body, headers=as_agent(node["agent_id"])).status_code == 204
 
 
 def commit(client: TestClient, allocation_id: int, root: str, step: int, **metrics: float) -> Any:
     body = {"step": step, "path": f"{root}/step-{step}", "size_bytes": 10, "metrics": metrics}
-    return client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT)
+    return client.post(
+        f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=as_rank(client, allocation_id)
+    )
 
 
 def metrics(client: TestClient, allocation_id: int, steps: range, batch_id: str | None = None) -> Any:
@@ -80,7 +85,9 @@ def metrics(client: TestClient, allocation_id: int, steps: range, batch_id: str 
     body: dict[str, Any] = {"records": records}
     if batch_id:
         body["batch_id"] = batch_id
-    return client.post(f"/api/v1/allocations/{allocation_id}/metrics", json=body, headers=AGENT)
+    return client.post(
+        f"/api/v1/allocations/{allocation_id}/metrics", json=body, headers=as_rank(client, allocation_id)
+    )
 
 
 def root_of(settings: Settings, job_id: int) -> str:
@@ -103,7 +110,7 @@ def test_crash_restarts_from_the_newest_checkpoint_and_fences_the_old_attempt(
     assert metrics(client, first["id"], range(16, 18)).status_code == 409
     assert commit(client, first["id"], root, 20).status_code == 409
     survivor = next(n for n in first["nodes"] if n["node_rank"] == 0)
-    work = client.get(f"/api/v1/agents/{survivor['agent_id']}/work", headers=AGENT).json()
+    work = client.get(f"/api/v1/agents/{survivor['agent_id']}/work", headers=as_agent(survivor["agent_id"])).json()
     assert [a["desired"] for a in work["assignments"]] == ["kill"]
 
     exit_node(client, first, 0, -9)
@@ -115,7 +122,9 @@ def test_crash_restarts_from_the_newest_checkpoint_and_fences_the_old_attempt(
     second = state["allocations"][-1]
     assert state["state"] == "SCHEDULED" and second["attempt"] == 2 and second["resume_step"] == 10
     assert "resuming from the checkpoint of step 10" in state["events"][-1]["reason"]
-    assignment = client.get(f"/api/v1/agents/{second['nodes'][0]['agent_id']}/work", headers=AGENT).json()
+    assignment = client.get(
+        f"/api/v1/agents/{second['nodes'][0]['agent_id']}/work", headers=as_agent(second["nodes"][0]["agent_id"])
+    ).json()
     (assigned,) = [a for a in assignment["assignments"] if a["allocation_id"] == second["id"]]
     assert assigned["resume"] == {"step": 10, "path": f"{root}/step-10"}
     assert assigned["checkpoint_root"] == root
@@ -193,7 +202,7 @@ def test_pause_drain_and_resume(client: TestClient, settings: Settings) -> None:
     # graceful: not fenced, so the checkpoint written on the way out still commits
     assert commit(client, allocation["id"], root_of(settings, job_id), 7).status_code == 201
     node = allocation["nodes"][0]
-    work = client.get(f"/api/v1/agents/{node['agent_id']}/work", headers=AGENT).json()
+    work = client.get(f"/api/v1/agents/{node['agent_id']}/work", headers=as_agent(node["agent_id"])).json()
     assert [a["desired"] for a in work["assignments"]] == ["stop"]
     for n in allocation["nodes"]:
         exit_node(client, allocation, n["node_rank"], 143)
@@ -239,7 +248,7 @@ def test_retention_keeps_last_and_best_and_deletes_files_first(
     outside = client.post(
         f"/api/v1/allocations/{allocation['id']}/checkpoints",
         json={"step": 9, "path": "file:///etc/passwd", "size_bytes": 1},
-        headers=AGENT,
+        headers=as_rank(client, allocation["id"]),
     )
     assert outside.status_code == 422 and "outside this job's storage" in outside.json()["error"]
     archive = client.get(f"/api/v1/jobs/{job_id}/checkpoints/5/archive", headers=USER)
@@ -257,7 +266,9 @@ def test_a_retried_checkpoint_commit_is_recorded_once(client: TestClient, settin
     with session_scope(settings.database_url) as session:
         assert session.execute(select(func.count()).select_from(Checkpoint)).scalar_one() == 1
     elsewhere = {"step": 3, "path": f"{root}/elsewhere", "size_bytes": 1}
-    clash = client.post(f"/api/v1/allocations/{allocation['id']}/checkpoints", json=elsewhere, headers=AGENT)
+    clash = client.post(
+        f"/api/v1/allocations/{allocation['id']}/checkpoints", json=elsewhere, headers=as_rank(client, allocation["id"])
+    )
     assert clash.status_code == 409 and "already committed" in clash.json()["error"]
 
 

@@ -18,6 +18,7 @@ from server.checkpoints import delete_marked
 from server.db import session_scope
 from server.models import Allocation, Checkpoint, Job, Metric
 from server.settings import Settings
+from tests.agent_tokens import as_agent, as_rank
 from tests.integration.test_api import AGENT, USER
 
 PAST_INT32 = 2**31
@@ -109,7 +110,7 @@ def test_a_bad_metric_batch_answers_422_and_stores_nothing(
     answer = client.post(
         f"/api/v1/allocations/{allocation_id}/metrics",
         content=raw,
-        headers={**AGENT, "Content-Type": "application/json"},
+        headers={**as_rank(client, allocation_id), "Content-Type": "application/json"},
     )
     assert answer.status_code == 422 and problem in answer.text, answer.text
     with session_scope(settings.database_url) as session:
@@ -118,10 +119,12 @@ def test_a_bad_metric_batch_answers_422_and_stores_nothing(
 
 def test_checkpoint_metrics_and_node_reports_are_bounded(client: TestClient, allocation_id: int) -> None:
     commit = {"step": 1, "path": "file:///x/job-1/step-1", "size_bytes": 1, "metrics": {"loss": "NaN"}}
-    answer = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=commit, headers=AGENT)
+    answer = client.post(
+        f"/api/v1/allocations/{allocation_id}/checkpoints", json=commit, headers=as_rank(client, allocation_id)
+    )
     assert answer.status_code == 422, answer.text
     exit_body = {"node_rank": 0, "exit_code": 2**40, "reason": ""}
-    answer = client.post(f"/api/v1/agents/1/allocations/{allocation_id}/exit", json=exit_body, headers=AGENT)
+    answer = client.post(f"/api/v1/agents/1/allocations/{allocation_id}/exit", json=exit_body, headers=as_agent(1))
     assert answer.status_code == 422, answer.text
 
 
@@ -152,7 +155,9 @@ def test_a_committed_path_that_climbs_out_of_the_job_is_refused(
     root = job_root(client, settings)
     for path in (f"file://{root}/../../../etc", f"file://{root}/../job-999/step-1", f"file://{root}-evil/step-1"):
         body = {"step": 1, "path": path, "size_bytes": 1}
-        answer = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT)
+        answer = client.post(
+            f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=as_rank(client, allocation_id)
+        )
         assert answer.status_code == 422 and "outside this job's storage" in answer.json()["error"], path
 
 
@@ -167,7 +172,12 @@ def test_an_archive_never_follows_a_symlink_out_of_the_checkpoint(
     secret.write_text("not for the job's owner")
     (folder / "leak").symlink_to(secret)
     body = {"step": 1, "path": f"file://{folder}", "size_bytes": 7}
-    assert client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=AGENT).status_code == 201
+    assert (
+        client.post(
+            f"/api/v1/allocations/{allocation_id}/checkpoints", json=body, headers=as_rank(client, allocation_id)
+        ).status_code
+        == 201
+    )
     job_id = client.get("/api/v1/jobs", headers=USER).json()[0]["id"]
     archive = client.get(f"/api/v1/jobs/{job_id}/checkpoints/1/archive", headers=USER)
     assert archive.status_code == 200

@@ -24,7 +24,8 @@ from server.errors import Conflict, IllegalTransition
 from server.models import Agent, Allocation, Job, SlotLease
 from server.settings import Settings
 from server.transitions import transition
-from tests.integration.test_api import AGENT, register, spec, submit
+from tests.agent_tokens import as_agent
+from tests.integration.test_api import register, spec, submit
 
 ONE_NODE = spec(resources={"nodes": 1})
 
@@ -125,7 +126,9 @@ def test_a_job_placed_by_a_pass_is_killed_after_it(one_slot: TestClient, setting
         assert killer.finished_or_blocked() == "blocked"
     killer.join()
     assert job_row(settings, job_id).state == "CANCELLED"
-    work = one_slot.get(f"/api/v1/agents/{scheduled_agent(settings, job_id)}/work", headers=AGENT).json()
+    work = one_slot.get(
+        f"/api/v1/agents/{scheduled_agent(settings, job_id)}/work", headers=as_agent(scheduled_agent(settings, job_id))
+    ).json()
     assert [a["desired"] for a in work["assignments"]] == ["stop"]
 
 
@@ -146,7 +149,9 @@ def running_job(client: TestClient, settings: Settings) -> tuple[int, int, int]:
         assert allocation is not None
         allocation_id, agent_id = allocation.id, allocation.nodes[0].agent_id
     started = client.post(
-        f"/api/v1/agents/{agent_id}/allocations/{allocation_id}/started", json={"node_rank": 0}, headers=AGENT
+        f"/api/v1/agents/{agent_id}/allocations/{allocation_id}/started",
+        json={"node_rank": 0},
+        headers=as_agent(agent_id),
     )
     assert started.status_code == 204
     return job_id, allocation_id, agent_id

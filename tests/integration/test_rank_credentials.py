@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 from scheduler.service import schedule_pass
 from server.db import session_scope
 from server.settings import Settings
-from tests.integration.test_api import AGENT, USER, register, spec, submit
+from tests.agent_tokens import as_agent
+from tests.integration.test_api import USER, register, spec, submit
 
 
 def placed(client: TestClient, settings: Settings, count: int) -> list[dict[str, Any]]:
@@ -22,7 +23,9 @@ def placed(client: TestClient, settings: Settings, count: int) -> list[dict[str,
         schedule_pass(session)
     assignments = []
     for agent in client.get("/api/v1/agents", headers=USER).json():
-        assignments += client.get(f"/api/v1/agents/{agent['id']}/work", headers=AGENT).json()["assignments"]
+        assignments += client.get(f"/api/v1/agents/{agent['id']}/work", headers=as_agent(agent["id"])).json()[
+            "assignments"
+        ]
     assert len(assignments) == count
     return sorted(assignments, key=lambda a: a["allocation_id"])
 

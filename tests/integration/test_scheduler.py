@@ -15,12 +15,12 @@ from server.app import create_app
 from server.db import session_scope
 from server.models import Allocation, AllocationNode, Job, SlotLease
 from server.settings import Settings
-from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+from tests.agent_tokens import register_agent
+from tests.conftest import ADMIN_TOKEN
 from tests.processes import Stack, wait_for
 
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 AGENTS, SLOTS = 12, 2
 
 
@@ -41,7 +41,7 @@ def test_two_schedulers_never_double_book(settings: Settings, two_schedulers: St
     with TestClient(create_app(settings)) as client:
         for i in range(AGENTS):
             body = {"name": f"n{i}", "address": f"10.0.0.{i + 1}", "cpu_slots": SLOTS}
-            assert client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+            register_agent(client, **body)
         shapes = [(1, 1), (2, 1), (1, 2), (3, 2), (2, 2)]
         job_ids = []
         for i in range(40):
@@ -99,7 +99,7 @@ def test_a_pass_waits_for_the_pass_in_progress(settings: Settings) -> None:
     with TestClient(create_app(settings, enqueue=lambda *_, **__: None)) as client:
         for i in range(2):
             body = {"name": f"n{i}", "address": "127.0.0.1", "cpu_slots": 1}
-            assert client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+            register_agent(client, **body)
         for i in range(3):
             spec = {"name": f"j{i}", "entrypoint": "python x.py", "resources": {"nodes": 1}}
             assert (

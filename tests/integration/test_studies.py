@@ -21,11 +21,11 @@ from server.db import session_factory, session_scope
 from server.models import Job, TuningStudy, TuningTrial
 from server.settings import Settings
 from server.task_names import ADVANCE_STUDY_TASK
-from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
+from tests.agent_tokens import as_agent, as_rank, register_agent
+from tests.conftest import ADMIN_TOKEN
 
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def client(settings: Settings, enqueued: list[tuple[str, tuple[int, ...]]]) -> I
     with TestClient(app) as test_client:
         for name in ("a0", "a1"):
             body = {"name": name, "address": "127.0.0.1", "cpu_slots": 1}
-            assert test_client.post("/api/v1/agents/register", json=body, headers=AGENT).status_code == 200
+            register_agent(test_client, **body)
         enqueued.clear()  # their scheduling passes
         yield test_client
 
@@ -230,7 +230,7 @@ def start_trial(client: TestClient, settings: Settings, job_id: int) -> tuple[in
     started = client.post(
         f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/started",
         json={"node_rank": 0},
-        headers=AGENT,
+        headers=as_agent(node["agent_id"]),
     )
     assert started.status_code == 204
     return allocation["id"], node["agent_id"]
@@ -238,13 +238,19 @@ def start_trial(client: TestClient, settings: Settings, job_id: int) -> tuple[in
 
 def report(client: TestClient, allocation_id: int, points: dict[int, dict[str, float]]) -> None:
     records = [{"rank": 0, "step": step, "time": 0.0, "values": values} for step, values in points.items()]
-    posted = client.post(f"/api/v1/allocations/{allocation_id}/metrics", json={"records": records}, headers=AGENT)
+    posted = client.post(
+        f"/api/v1/allocations/{allocation_id}/metrics",
+        json={"records": records},
+        headers=as_rank(client, allocation_id),
+    )
     assert posted.status_code == 204
 
 
 def finish(client: TestClient, allocation_id: int, agent_id: int, exit_code: int = 0) -> None:
     body = {"node_rank": 0, "exit_code": exit_code}
-    done = client.post(f"/api/v1/agents/{agent_id}/allocations/{allocation_id}/exit", json=body, headers=AGENT)
+    done = client.post(
+        f"/api/v1/agents/{agent_id}/allocations/{allocation_id}/exit", json=body, headers=as_agent(agent_id)
+    )
     assert done.status_code == 204
 
 
@@ -276,7 +282,7 @@ def test_the_pruner_prunes_a_trial_worse_than_the_median(
     driver(settings).advance(study["id"])  # prunes it: its agent is told to stop (SIGTERM), below
     job = client.get(f"/api/v1/jobs/{second['job_id']}", headers=USER).json()
     assert job["state"] == "PRUNED"
-    work = client.get(f"/api/v1/agents/{agent}/work", headers=AGENT).json()
+    work = client.get(f"/api/v1/agents/{agent}/work", headers=as_agent(agent)).json()
     assert [a["desired"] for a in work["assignments"]] == ["stop"]
     shown = trials(client, study["id"])
     assert [(t["state"], t["values"]) for t in shown] == [("COMPLETE", [0.2]), ("PRUNED", [4.0])]
