@@ -9,6 +9,7 @@ from tests.conftest import AGENT_TOKEN
 
 CLUSTER_AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}  # registers agents, and nothing else
 _tokens: dict[int, str] = {}
+_rank_tokens: dict[int, str] = {}  # allocation id -> its token, as last seen in an assignment
 
 
 def register_agent(client: Any, name: str, cpu_slots: int = 1, **fields: Any) -> int:
@@ -27,12 +28,15 @@ def as_agent(agent_id: int) -> dict[str, str]:
 
 def as_rank(client: Any, allocation_id: int) -> dict[str, str]:
     """The headers of the allocation's own token, as its agent hands it to the ranks (found in the
-    assignments of the agents registered by this process)."""
+    assignments of the agents registered by this process; once its nodes exited, the one last seen)."""
     for agent_id in list(_tokens):
         work = client.get(f"/api/v1/agents/{agent_id}/work", headers=as_agent(agent_id))
         if work.status_code != 200:
             continue
         for assignment in work.json()["assignments"]:
             if assignment["allocation_id"] == allocation_id:
+                _rank_tokens[allocation_id] = assignment["credential"]
                 return {"Authorization": f"Bearer {assignment['credential']}"}
+    if allocation_id in _rank_tokens:
+        return {"Authorization": f"Bearer {_rank_tokens[allocation_id]}"}
     raise AssertionError(f"no registered agent hosts allocation {allocation_id}")

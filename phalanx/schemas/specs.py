@@ -262,12 +262,13 @@ class TrialTemplate(JobSpec):
     The sampled parameters are merged over `hyperparameters`."""
 
     name: Annotated[str, Field(pattern=NAME_PATTERN, exclude=True)] = "trial"  # never written back
+    team: Annotated[str | None, Field(exclude=True)] = None  # the study's
 
     @model_validator(mode="after")
     def _no_name(self) -> TrialTemplate:
         if "name" in self.model_fields_set:
             raise ValueError("trial.name is not used: trial jobs are named <study name>-t<trial number>")
-        if "team" in self.model_fields_set:
+        if self.team is not None:
             raise ValueError("trial.team is not used: trials run in the study's team (give `team` at the top)")
         return self
 

@@ -201,7 +201,8 @@ def test_a_drained_agent_stays_drained_when_it_registers_again(one_slot: TestCli
         n1 = session.scalars(select(Agent).where(Agent.name == "n1").with_for_update()).one()
         agents.drain_agent(session, n1)
         session.flush()
-        restarted = Racer(lambda s: agents.register_agent(s, registration("n1")), settings.database_url)
+        n1_id = n1.id
+        restarted = Racer(lambda s: agents.register_agent(s, registration("n1"), n1_id), settings.database_url)
         assert restarted.finished_or_blocked() == "blocked"
     restarted.join()
     with session_scope(settings.database_url) as session:
@@ -210,7 +211,8 @@ def test_a_drained_agent_stays_drained_when_it_registers_again(one_slot: TestCli
 
 def test_a_drain_after_a_registration_drains(one_slot: TestClient, settings: Settings) -> None:
     with held(settings) as session:
-        agent_id = agents.register_agent(session, registration("n1")).id
+        n1_id = session.scalars(select(Agent.id).where(Agent.name == "n1")).one()
+        agent_id = agents.register_agent(session, registration("n1"), n1_id)[0].id
         session.flush()
         drainer = Racer(
             lambda s: agents.drain_agent(s, agents.get_agent(s, agent_id, lock=True)), settings.database_url
