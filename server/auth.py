@@ -80,6 +80,11 @@ RANK_TOKEN_PREFIX = "phx_r_"
 AGENT_TOKEN_PREFIX = "phx_n_"
 
 
+def agent_token_id(agent_id: int) -> int:
+    """The `Principal.token_id` of an agent's own token (apart from every other token's)."""
+    return -(2**31) - agent_id
+
+
 def agent_token(agent_id: int, secret: str) -> str:
     """The token an agent gets at its first registration: it names its agent and proves it."""
     return f"{AGENT_TOKEN_PREFIX}{agent_id}_{secret}"
@@ -142,7 +147,7 @@ def lookup(session: Session, token: str) -> Principal | None:
             return None
         return Principal(
             kind="agent",
-            token_id=-(2**31) - agent_id,
+            token_id=agent_token_id(agent_id),
             name=f"agent {agent_id}",
             user_id=None,
             is_admin=False,

@@ -40,7 +40,7 @@ def list_agents(session: SessionDep, _: UserDep) -> list[schemas.AgentView]:
 
 @router.post("/register", response_model=schemas.AgentRegistered)
 def register(
-    registration: schemas.AgentRegistration, session: SessionDep, principal: AgentDep
+    registration: schemas.AgentRegistration, session: SessionDep, services: ServicesDep, principal: AgentDep
 ) -> schemas.AgentRegistered:
     """Register, or re-register after a restart: the agent's old processes are gone, so are its
     nodes. The answer carries the agent's new token, which every later call must use."""
@@ -51,9 +51,11 @@ def register(
             if named != principal.agent_id:
                 raise Forbidden(f"this token belongs to agent {principal.agent_id}; it re-registers that agent only")
         agent, token = agents.register_agent(session, registration, proven)
-        return schemas.AgentRegistered(
+        answer = schemas.AgentRegistered(
             id=agent.id, name=agent.name, state=schemas.AgentState(agent.state), agent_token=token
         )
+    services.token_cache.forget(auth.agent_token_id(agent.id))  # its previous token stops at once here
+    return answer
 
 
 @router.post("/{agent_id}/heartbeat", status_code=204)

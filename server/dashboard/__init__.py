@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server.dashboard import cluster_pages, job_pages, live, sign_in, study_pages, submit_pages
+from server.dashboard import cluster_pages, job_pages, live, sign_in, study_pages, submit_pages, team_pages
 
 ROUTERS: tuple[APIRouter, ...] = (
     sign_in.router,
@@ -16,5 +16,6 @@ ROUTERS: tuple[APIRouter, ...] = (
     job_pages.router,
     study_pages.router,
     submit_pages.router,
+    team_pages.router,
     live.router,
 )

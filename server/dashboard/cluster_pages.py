@@ -69,23 +69,23 @@ def overview_page(request: Request, session: SessionDep, user: SignedIn) -> Resp
 
 
 def count_by_state(user: Principal) -> Any:
-    query = select(Job.state, func.count()).group_by(Job.state)
-    return query if user.is_admin else query.where(Job.owner_id == user.user_id)
+    return select(Job.state, func.count()).where(access.job_readable(user)).group_by(Job.state)
 
 
 @router.get("/agents", response_model=None)
-def agents_page(request: Request, session: SessionDep, _: SignedIn) -> Response:
-    """Every agent's slots, which job and rank holds each, its heartbeat's age, a drain button."""
+def agents_page(request: Request, session: SessionDep, user: SignedIn) -> Response:
+    """Every agent's slots, which job and rank holds each (named only if the user may read that
+    job), its heartbeat's age, and for cluster admins a drain button."""
     with session.begin():
         agents = list(session.scalars(select(Agent).order_by(Agent.id)))
         now = session.execute(select(utcnow())).scalar_one()
-        holders = slot_holders(session)
+        holders = slot_holders(session, user)
         rows = [
             {
                 "agent": view,
                 "heartbeat_age": (now - view.last_heartbeat).total_seconds(),
                 "slots": [
-                    (slot_type, index, holders.get((view.id, slot_type, index)))
+                    (slot_type, index, (view.id, slot_type, index) in holders, holders.get((view.id, slot_type, index)))
                     for slot_type, count in (("cpu", view.cpu_slots), ("gpu", view.gpu_slots))
                     for index in range(count)
                 ],
@@ -95,22 +95,20 @@ def agents_page(request: Request, session: SessionDep, _: SignedIn) -> Response:
     return render(request, "agents.html", rows=rows)
 
 
-def slot_holders(session: Session) -> dict[tuple[int, str, int], tuple[int, str, int]]:
-    """(agent, slot type, slot index) → (job id, job name, global rank) for every held slot."""
+def slot_holders(session: Session, user: Principal) -> dict[tuple[int, str, int], tuple[int, str, int] | None]:
+    """(agent, slot type, slot index) → (job id, job name, global rank) for every held slot; None
+    for the slots of jobs `user` may not read (that a slot is taken is all they learn)."""
     held = session.execute(
-        select(SlotLease, AllocationNode, Job)
+        select(SlotLease, AllocationNode, Job, access.job_readable(user))
         .join(AllocationNode, AllocationNode.id == SlotLease.node_id)
         .join(Allocation, Allocation.id == AllocationNode.allocation_id)
         .join(Job, Job.id == Allocation.job_id)
     )
-    holders = {}
-    for lease, node, job in held:
+    holders: dict[tuple[int, str, int], tuple[int, str, int] | None] = {}
+    for lease, node, job, readable in held:
         local_rank = list(node.slot_indices).index(lease.slot_index)
-        holders[(lease.agent_id, lease.slot_type, lease.slot_index)] = (
-            job.id,
-            job.name,
-            node.node_rank * job.slots_per_node + local_rank,
-        )
+        key = (lease.agent_id, lease.slot_type, lease.slot_index)
+        holders[key] = (job.id, job.name, node.node_rank * job.slots_per_node + local_rank) if readable else None
     return holders
 
 

@@ -74,7 +74,7 @@ def _job_page(
     job_id: RowId, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
 ) -> Response:
     with session.begin():
-        access.job_for(session, user, job_id)
+        may_change = access.may_change_job(session, user, access.job_for(session, user, job_id))
         row = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
         job = views.job_detail(session, row)
         saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
@@ -86,6 +86,7 @@ def _job_page(
         "job.html",
         status,
         job=job,
+        may_change=may_change,
         checkpoints=saved,
         error=error,
         log_tail=tail,

@@ -84,7 +84,9 @@ def study_page(
     fragment: Annotated[bool, Query(description="Only the part that live updates replace")] = False,
 ) -> Response:
     with session.begin():
-        study = views.study_detail(session, access.study_for(session, user, study_id))
+        row = access.study_for(session, user, study_id)
+        may_change = access.may_change_study(session, user, row)
+        study = views.study_detail(session, row)
     # Optuna reads in its own transactions, after ours; a multi-objective study has neither
     # intermediate values (Optuna prunes on one objective) nor importances
     optuna_study = None if study.spec.multi_objective else load_optuna(settings.database_url, study)
@@ -96,6 +98,7 @@ def study_page(
         "study.html",
         title=f"Study {study.id} · {study.name}",
         study=study,
+        may_change=may_change,
         trials=sort_trials(study.trials, key, desc),
         params=params,
         sort=key,
