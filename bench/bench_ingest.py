@@ -89,8 +89,9 @@ def concurrently(clients: int, jobs: list[Any], work: Callable[[int, Any], None]
         return time.perf_counter() - started
 
 
-def post_api(url: str, allocation_id: int, bodies: list[bytes], clients: int) -> float:
-    https = [httpx.Client(base_url=url, headers={"Authorization": f"Bearer {AGENT_TOKEN}"}) for _ in range(clients)]
+def post_api(url: str, allocation_id: int, credential: str, bodies: list[bytes], clients: int) -> float:
+    """POST the batches as the allocation's ranks do, with its own credential."""
+    https = [httpx.Client(base_url=url, headers={"Authorization": f"Bearer {credential}"}) for _ in range(clients)]
     path = f"/api/v1/allocations/{allocation_id}/metrics"
     headers = {"Content-Type": "application/json"}
 
@@ -122,19 +123,20 @@ def copy_direct(conninfo: str, row_batches: list[list[tuple[Any, ...]]], clients
             conn.close()
 
 
-def create_allocation(url: str, database_url: str) -> tuple[int, int]:
-    """Register one agent, submit a 1-node job and place it in-process: (job id, allocation id)."""
-    with Client(url, AGENT_TOKEN) as agent:
-        agent.register_agent(AgentRegistration(name="bench-agent", address="127.0.0.1", cpu_slots=1))
-    with Client(url, ADMIN_TOKEN) as admin:
+def create_allocation(url: str, database_url: str) -> tuple[int, int, str]:
+    """Register one agent, submit a 1-node job and place it in-process: (job id, allocation id,
+    the allocation's credential, as the agent hands it to the ranks)."""
+    with Client(url, AGENT_TOKEN) as agent, Client(url, ADMIN_TOKEN) as admin:
+        registered = agent.register_agent(AgentRegistration(name="bench-agent", address="127.0.0.1", cpu_slots=1))
+        agent.use_token(registered.agent_token)
         spec = JobSpec(name="ingest-bench", entrypoint="python train.py", resources=Resources(nodes=1))
         job = admin.submit(spec)
         with session_scope(database_url) as session:
             schedule_pass(session)
-        allocations = admin.get_job(job.id).allocations
-    if not allocations:
+        assignments = agent.agent_work(registered.id).assignments
+    if not assignments:
         raise BenchError(f"the scheduling pass placed no allocation for job {job.id}")
-    return job.id, allocations[0].id
+    return job.id, assignments[0].allocation_id, assignments[0].credential
 
 
 def run(
@@ -158,11 +160,11 @@ def run(
         group = ProcessGroup(Path(tmp) / "logs", env)
         try:
             url = start_server(group, free_port())
-            job_id, allocation_id = create_allocation(url, database_url)
+            job_id, allocation_id, credential = create_allocation(url, database_url)
             for round_no in range(repeat):
                 api_batches = make_batches(batches, records, values, 2 * round_no)
                 bodies = [json.dumps({"records": [r.model_dump() for r in batch]}).encode() for batch in api_batches]
-                seconds = post_api(url, allocation_id, bodies, clients)
+                seconds = post_api(url, allocation_id, credential, bodies, clients)
                 api_rates.append(points_per_round / seconds)
                 copy_batches = make_batches(batches, records, values, 2 * round_no + 1)
                 rows = [metric_rows(job_id, allocation_id, batch) for batch in copy_batches]
