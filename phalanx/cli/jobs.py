@@ -69,7 +69,7 @@ def jobs_list(
             str(job.id),
             job.name,
             job.state.value,
-            job.owner,
+            f"{job.owner} ({job.team})" if job.team else job.owner,
             f"{res.nodes}x{res.slots_per_node} {res.slot_type.value}",
             restart_budgets(job),
             "-" if job.latest_step is None else str(job.latest_step),
@@ -87,7 +87,8 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(job)
         return
-    console.print(f"[bold]job {job.id}[/] {job.name}  state [bold]{job.state.value}[/]  owner {job.owner}")
+    team = f"  team {job.team}" if job.team else ""
+    console.print(f"[bold]job {job.id}[/] {job.name}  state [bold]{job.state.value}[/]  owner {job.owner}{team}")
     console.print(f"restarts used: {restart_budgets(job)}")
     if job.state is JobState.QUEUED and job.wait_reason:
         console.print(f"waiting: {job.wait_reason}")

@@ -63,7 +63,7 @@ def studies_list(
             str(study.id),
             study.name,
             study.state.value,
-            study.owner,
+            f"{study.owner} ({study.team})" if study.team else study.owner,
             f"{done}/{study.spec.n_trials}",
             best,
             objective,
