@@ -31,14 +31,14 @@ def submit(
         except SpecError as exc:
             fail(str(exc), 2)
         if as_json and not wait:
-            print_json({"id": job.id, "name": job.name, "state": job.state.value})
+            print_json({"id": job.id, "name": job.name, "state": job.state.value, "team": job.team})
             return
         if not as_json:
             console.print(f"submitted job [bold]{job.id}[/] ({job.name}); `phalanx jobs show {job.id}` for details")
         if wait:
             final = client.wait(job.id) if as_json else follow(client, job.id)
             if as_json:
-                print_json({"id": final.id, "name": final.name, "state": final.state.value})
+                print_json({"id": final.id, "name": final.name, "state": final.state.value, "team": final.team})
             raise typer.Exit(0 if final.state is JobState.COMPLETED else 1)
 
 

@@ -97,3 +97,23 @@ def test_cli_against_the_stack(stack: Stack) -> None:
     assert missing.returncode == 1 and "does not exist" in missing.stderr
     unreachable = cli(stack, "jobs", "list", ok=False, PHALANX_URL="http://127.0.0.1:9")
     assert unreachable.returncode == 1 and "phalanx up" in unreachable.stderr
+
+
+def test_teams_through_the_cli(stack: Stack) -> None:
+    alice = json.loads(cli(stack, "tokens", "create", "alice", "--json").stdout)["token"]
+    cli(stack, "tokens", "create", "bob")
+    assert "team ml created" in cli(stack, "teams", "create", "ml").stdout
+    cli(stack, "teams", "add-member", "ml", "alice", "--role", "admin")
+    cli(stack, "teams", "add-member", "ml", "bob", PHALANX_TOKEN=alice)  # a team admin manages members
+    (team,) = json.loads(cli(stack, "teams", "list", "--json", PHALANX_TOKEN=alice).stdout)
+    assert team["your_role"] == "admin" and [(m["user"], m["role"]) for m in team["members"]] == [
+        ("alice", "admin"),
+        ("bob", "member"),
+    ]
+    submitted = json.loads(cli(stack, "submit", str(SCRIPTED), "--json", PHALANX_TOKEN=alice).stdout)
+    assert submitted["team"] == "ml"
+    assert "team ml" in cli(stack, "jobs", "show", str(submitted["id"]), PHALANX_TOKEN=alice).stdout
+    refused = cli(stack, "teams", "create", "other", ok=False, PHALANX_TOKEN=alice)
+    assert refused.returncode == 1 and "cluster admin" in refused.stderr
+    shown = cli(stack, "teams", "remove-member", "ml", "bob", PHALANX_TOKEN=alice).stdout
+    assert "bob" not in shown and "alice (admin)" in shown
