@@ -1,4 +1,8 @@
-"""Bulk writes on the hot path: metric points. COPY on PostgreSQL, executemany elsewhere."""
+"""Bulk writes on the hot path: metric points. COPY on PostgreSQL, executemany elsewhere.
+
+A value may be NaN or ±inf (`server.float_columns` says how each store keeps them): these writes
+bypass the column types, so they encode the same way by hand.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
+from phalanx import _wire
 from phalanx.schemas import MetricRecord
 from server.models import Allocation, MetricBatch, utcnow
 
@@ -41,7 +46,9 @@ def sqlite_metric_rows(job_id: int, allocation_id: int, records: list[MetricReco
     for record in records:
         when = from_unix(record.time).isoformat(" ", "microseconds")
         for name, value in record.values.items():
-            rows.append((job_id, allocation_id, record.rank, record.step, name, value, when))
+            # (sqlite3 binds NaN as NULL; infinities it stores as they are)
+            stored = value if value == value else _wire.NAN
+            rows.append((job_id, allocation_id, record.rank, record.step, name, stored, when))
     return rows
 
 
@@ -65,9 +72,10 @@ def record_progress(session: Session, allocation_id: int, records: list[MetricRe
     """Stamp progress (database clock, for hang detection) and merge the batch's newest values
     into the allocation's latest metrics, in one UPDATE: the merge happens in the database, so
     concurrent batches need no lock beyond the row lock this statement takes until commit."""
-    latest: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for record in records:
-        latest.update(record.values)
+        by_name.update(record.values)
+    latest = _wire.encode_floats(by_name)  # JSON: NaN and infinities as strings (`FloatsJSON`)
     step = max((record.step for record in records), default=None)
     values: dict[str, Any] = {"last_progress_at": utcnow()}
     merged: ColumnElement[Any]

@@ -94,8 +94,13 @@ def record(**overrides: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("raw", "problem"),
     [
-        ('{"records": [{"rank": 0, "step": 1, "time": 1.0, "values": {"loss": NaN}}]}', "finite"),
-        ('{"records": [{"rank": 0, "step": 1, "time": 1.0, "values": {"loss": Infinity}}]}', "finite"),
+        # NaN and the infinities are values ("NaN", "Infinity", "-Infinity"); no other string is
+        (json.dumps({"records": [record(values={"loss": "nan"})]}), '"NaN", "Infinity", "-Infinity"'),
+        (json.dumps({"records": [record(values={"loss": "1.5"})]}), "a metric value is a number"),
+        (json.dumps({"records": [record(values={"loss": True})]}), "a metric value is a number"),
+        (json.dumps({"records": [record(values={"loss": None})]}), "a metric value is a number"),
+        ('{"records": [{"rank": 0, "step": 1, "time": 1.0, "values": {"loss": 1' + "0" * 400 + "}}]}", "too large"),
+        ('{"records": [{"rank": 0, "step": 1, "time": NaN, "values": {"loss": 1.0}}]}', "finite"),
         (json.dumps({"records": [record(values={"x" * 200: 1.0})]}), "at most 128 characters"),
         (json.dumps({"records": [record(step=2**63)]}), "less than or equal"),
         (json.dumps({"records": [record(rank=2**31)]}), "less than or equal"),
@@ -111,13 +116,13 @@ def test_a_bad_metric_batch_answers_422_and_stores_nothing(
         content=raw,
         headers={**AGENT, "Content-Type": "application/json"},
     )
-    assert answer.status_code == 422 and problem in answer.text, answer.text
+    assert answer.status_code == 422 and problem in answer.json()["error"], answer.text
     with session_scope(settings.database_url) as session:
         assert session.scalar(select(func.count()).select_from(Metric)) == 0
 
 
 def test_checkpoint_metrics_and_node_reports_are_bounded(client: TestClient, allocation_id: int) -> None:
-    commit = {"step": 1, "path": "file:///x/job-1/step-1", "size_bytes": 1, "metrics": {"loss": "NaN"}}
+    commit = {"step": 1, "path": "file:///x/job-1/step-1", "size_bytes": 1, "metrics": {"loss": "inf"}}
     answer = client.post(f"/api/v1/allocations/{allocation_id}/checkpoints", json=commit, headers=AGENT)
     assert answer.status_code == 422, answer.text
     exit_body = {"node_rank": 0, "exit_code": 2**40, "reason": ""}

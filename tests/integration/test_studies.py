@@ -337,3 +337,44 @@ def test_a_multi_objective_study_has_a_pareto_front(client: TestClient, settings
     best = client.get(f"/api/v1/studies/{study['id']}/best", headers=USER).json()
     assert [t["number"] for t in best["trials"]] == [0, 1, 3] and best["directions"] == ["maximize", "minimize"]
     assert client.get(f"/api/v1/studies/{study['id']}/importance", headers=USER).status_code == 422
+
+
+def test_a_nan_objective_fails_its_trial_or_gets_it_pruned_and_infinity_completes(
+    client: TestClient, settings: Settings
+) -> None:
+    pruner = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}
+    study = create(client, study_body(pruner=pruner, n_trials=3, parallelism=1)).json()
+    driver(settings).advance(study["id"])
+    (first,) = trials(client, study["id"])
+    allocation, agent = start_trial(client, settings, first["job_id"])
+    report(client, allocation, {0: {"loss": "NaN"}})  # type: ignore[dict-item]
+    driver(settings).advance(study["id"])  # an intermediate NaN is reported (nothing to compare it with yet)
+    report(client, allocation, {1: {"loss": "NaN"}})  # type: ignore[dict-item]
+    finish(client, allocation, agent)
+    driver(settings).advance(study["id"])  # Optuna completes no trial on NaN: it fails, and trial 1 starts
+    failed = trials(client, study["id"])[0]
+    assert failed["state"] == "FAIL" and failed["reason"] == "its job's last loss was NaN"
+
+    second = trials(client, study["id"])[1]
+    allocation, agent = start_trial(client, settings, second["job_id"])
+    report(client, allocation, {0: {"loss": "Infinity"}})  # type: ignore[dict-item]
+    finish(client, allocation, agent)
+    driver(settings).advance(study["id"])
+    third = trials(client, study["id"])[2]
+    allocation, agent = start_trial(client, settings, third["job_id"])
+    report(client, allocation, {0: {"loss": "NaN"}})  # type: ignore[dict-item]
+    driver(settings).advance(study["id"])  # the median pruner prunes a trial gone NaN
+    assert client.get(f"/api/v1/jobs/{third['job_id']}", headers=USER).json()["state"] == "PRUNED"
+    finish(client, allocation, agent, exit_code=143)
+    driver(settings).advance(study["id"])
+
+    final = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
+    assert final["state"] == "COMPLETED" and final["best_trial"] == 1 and final["best_values"] == ["Infinity"]
+    assert [(t["state"], t["values"]) for t in final["trials"]] == [
+        ("FAIL", None),
+        ("COMPLETE", ["Infinity"]),
+        ("PRUNED", None),  # Optuna keeps no NaN as a pruned trial's value
+    ]
+    assert final["trials"][2]["reason"] == "pruned by the median pruner at step 0 (loss nan)"
+    client.cookies.update({"phalanx_session": ADMIN_TOKEN})
+    assert client.get(f"/studies/{study['id']}").status_code == 200  # its charts leave the NaN out
