@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from server.checkpoints import delete_marked
 from server.db import session_scope
 from server.models import Allocation, Checkpoint, Job, Metric
 from server.settings import Settings
+from tests.conftest import AGENT_TOKEN
 from tests.integration.test_api import AGENT, USER
 
 PAST_INT32 = 2**31
@@ -221,3 +223,30 @@ def test_every_page_forbids_inline_script_and_framing(client: TestClient) -> Non
         assert "script-src 'self';" in policy and "frame-ancestors 'none'" in policy, path
         assert answer.headers["x-content-type-options"] == "nosniff" and answer.headers["x-frame-options"] == "DENY"
         assert "onsubmit=" not in answer.text and "onclick=" not in answer.text, path
+
+
+def test_the_sdk_drops_a_refused_batch_once_with_one_line_and_sends_the_next(
+    settings: Settings, allocation_id: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 4xx answers the same on every try: the rank's sender logs it once, drops that batch, and
+    the next batch goes through (a real server: the refusal is the server's own 422)."""
+    from phalanx.train._http import HttpMetricSink
+    from phalanx.train._metrics import MetricPipeline
+    from tests.integration.test_dashboard_live import LiveServer
+
+    with LiveServer(settings) as live:
+        sink = HttpMetricSink(live.url, allocation_id, AGENT_TOKEN)
+        pipeline = MetricPipeline(rank=0, sink=sink, flush_interval_s=0.05)
+        with caplog.at_level(logging.WARNING, logger="phalanx.train"):
+            pipeline.queue.put((1, 1.0, {"x" * 200: 1.0}))  # a name past 128 characters: 422
+            assert pipeline.flush(timeout=30)
+            for step in (2, 3):
+                pipeline.queue.put((step, 1.0, {"loss": 0.5}))
+            assert pipeline.flush(timeout=30)
+            pipeline.close(timeout=5)
+    stats = pipeline.stats()
+    assert (stats.rejected, stats.sent, stats.failed_attempts, stats.pending) == (1, 2, 0, 0)  # never retried
+    refusals = [r.getMessage() for r in caplog.records if r.name == "phalanx.train"]
+    assert len(refusals) == 1 and "refused 1 metric records" in refusals[0] and "128 characters" in refusals[0]
+    with session_scope(settings.database_url) as session:
+        assert sorted(session.scalars(select(Metric.step))) == [2, 3]
