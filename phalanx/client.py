@@ -355,6 +355,11 @@ class Client:
         body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:]}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
 
-    def ship_logs(self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn]) -> None:
-        body = {"lines": [line.model_dump() for line in lines]}
+    def ship_logs(
+        self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn], batch_id: str | None = None
+    ) -> None:
+        """`batch_id`: the same for every retry of one batch, so that the server stores it once."""
+        body: dict[str, Any] = {"lines": [line.model_dump() for line in lines]}
+        if batch_id is not None:
+            body["batch_id"] = batch_id
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/logs", json=body)

@@ -1,4 +1,5 @@
-"""Bulk writes on the hot path: metric points. COPY on PostgreSQL, executemany elsewhere.
+"""Bulk writes on the hot path: metric points (COPY on PostgreSQL, executemany elsewhere), and
+the batch ids that make a resent metric or log batch a no-op.
 
 A value may be NaN or ±inf (`server.float_columns` says how each store keeps them): these writes
 bypass the column types, so they encode the same way by hand.
@@ -6,6 +7,7 @@ bypass the column types, so they encode the same way by hand.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -17,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from phalanx import _wire
 from phalanx.schemas import MetricRecord
-from server.models import Allocation, MetricBatch, utcnow
+from server.models import Allocation, LogBatch, MetricBatch, utcnow
 
 METRIC_COLUMNS = ("job_id", "allocation_id", "rank", "step", "name", "value", "time")
 COPY_METRICS = f"COPY metrics ({', '.join(METRIC_COLUMNS)}) FROM STDIN"
@@ -90,14 +92,24 @@ def record_progress(session: Session, allocation_id: int, records: list[MetricRe
     session.execute(update(Allocation).where(Allocation.id == allocation_id).values(**values))
 
 
-def first_delivery(session: Session, allocation_id: int, batch_id: str) -> bool:
-    """Record a batch id; False when it was recorded before (the sender retried a stored batch)."""
+def batch_identity(batch_id: str | None, raw: bytes) -> str:
+    """The sender's id for a batch or, when it gave none, a digest of the body: a resend of the
+    same bytes is then recognised too. (Prefixed: no sender's id of 64 characters can equal it.)"""
+    if batch_id is not None:
+        return batch_id
+    return "body-" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def first_delivery(session: Session, table: type[MetricBatch | LogBatch], allocation_id: int, batch_id: str) -> bool:
+    """Record a batch's id in `table` (MetricBatch or LogBatch); False when it was recorded before
+    (the sender retried a batch whose answer it lost). The primary key decides, so two deliveries
+    racing on two connections store it once too: the second waits for the first's commit."""
     dialect = session.get_bind().dialect.name
     make = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = (
-        make(MetricBatch)
+        make(table)
         .values(allocation_id=allocation_id, batch_id=batch_id)
         .on_conflict_do_nothing()
-        .returning(MetricBatch.batch_id)
+        .returning(table.batch_id)
     )
     return session.execute(statement).first() is not None

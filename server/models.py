@@ -242,6 +242,15 @@ class MetricBatch(Base):
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
 
 
+class LogBatch(Base):
+    """Log batches already stored (`MetricBatch`'s twin for an agent's log shipping)."""
+
+    __tablename__ = "log_batches"
+
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+
 class Checkpoint(Base):
     """A checkpoint whose files are complete. Rows appear only after the files were renamed into
     place; DELETING rows are removed only once their files are gone."""

@@ -93,8 +93,20 @@ class LogLineIn(StrictModel):
     line: str
 
 
+BatchId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=64,
+        description="Idempotency key: a batch sent again under the same id (its answer was lost) is stored "
+        "once. Without one the server takes a digest of the body, so only a byte-identical resend is recognised.",
+    ),
+]
+
+
 class LogBatch(StrictModel):
     lines: Annotated[list[LogLineIn], Field(max_length=MAX_LINES_PER_BATCH)]
+    batch_id: BatchId | None = None  # the agent sends "<its stream>-<first line's number>"
 
 
 class MetricRecord(StrictModel):
@@ -109,7 +121,7 @@ class MetricRecord(StrictModel):
 
 class MetricBatchIn(StrictModel):
     records: Annotated[list[MetricRecord], Field(max_length=MAX_RECORDS_PER_BATCH)]
-    batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
+    batch_id: BatchId | None = None  # a rank sends "<its stream>-<first record's number>"
 
 
 class CheckpointCommit(StrictModel):

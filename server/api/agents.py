@@ -18,8 +18,8 @@ from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, 
 from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
 from server.errors import Conflict, NotFound
-from server.ingest import from_unix
-from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
+from server.ingest import batch_identity, first_delivery, from_unix
+from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogBatch, LogLine, utcnow
 from server.settings import Settings
 from server.task_names import REAP_TASK
 from server.wakeups import agent_channel, note_agent_work, note_job_data
@@ -205,6 +205,8 @@ def node_exit(
 async def ship_logs(
     agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, _: AgentDep
 ) -> Response:
+    """Store a batch of output lines; a batch sent again (same `batch_id`, or the same bytes) is
+    answered 204 and stored once."""
     raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.LogBatch.model_validate_json(raw)
@@ -224,6 +226,8 @@ async def ship_logs(
                 raise Conflict(f"allocation {allocation_id} has no node on agent {agent_id}")
             if not active:
                 raise Conflict(f"allocation {allocation_id} has ended; its logs are closed")
+            if not first_delivery(session, LogBatch, allocation_id, batch_identity(batch.batch_id, raw)):
+                return  # sent again after its answer was lost: stored already
             # Core executemany: logs arrive while training runs, and the ORM's unit of work
             # costs several times more CPU per row.
             session.execute(

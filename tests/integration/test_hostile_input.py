@@ -1,5 +1,5 @@
 """Hostile input gets a clear 4xx and changes nothing: ids no row can have, out-of-range counts,
-metric batches and agent reports the database could not store."""
+metric batches and agent reports the database could not store; a batch sent twice is stored once."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
@@ -17,7 +18,7 @@ from sqlalchemy import func, select
 from scheduler.service import schedule_pass
 from server.checkpoints import delete_marked
 from server.db import session_scope
-from server.models import Allocation, Checkpoint, Job, Metric
+from server.models import Allocation, Checkpoint, Job, LogLine, Metric
 from server.settings import Settings
 from tests.conftest import AGENT_TOKEN
 from tests.integration.test_api import AGENT, USER
@@ -250,3 +251,86 @@ def test_the_sdk_drops_a_refused_batch_once_with_one_line_and_sends_the_next(
     assert len(refusals) == 1 and "refused 1 metric records" in refusals[0] and "128 characters" in refusals[0]
     with session_scope(settings.database_url) as session:
         assert sorted(session.scalars(select(Metric.step))) == [2, 3]
+
+
+# --- a batch sent twice is stored once ------------------------------------------------------
+
+
+def line_count(settings: Settings) -> int:
+    with session_scope(settings.database_url) as session:
+        return int(session.scalar(select(func.count()).select_from(LogLine)) or 0)
+
+
+def metric_count(settings: Settings) -> int:
+    with session_scope(settings.database_url) as session:
+        return int(session.scalar(select(func.count()).select_from(Metric)) or 0)
+
+
+def test_a_log_batch_sent_again_is_answered_204_and_stored_once(
+    client: TestClient, settings: Settings, allocation_id: int
+) -> None:
+    url = f"/api/v1/agents/1/allocations/{allocation_id}/logs"
+    lines = [{"rank": 0, "time": 1.0, "line": f"line {i}"} for i in range(3)]
+    for _ in range(2):
+        assert client.post(url, json={"lines": lines, "batch_id": "s-0"}, headers=AGENT).status_code == 204
+    assert line_count(settings) == 3
+    # the next batch of the same stream, and the same lines under another id: both are new
+    assert client.post(url, json={"lines": lines[:1], "batch_id": "s-3"}, headers=AGENT).status_code == 204
+    assert client.post(url, json={"lines": lines, "batch_id": "other-0"}, headers=AGENT).status_code == 204
+    assert line_count(settings) == 7
+    # without an id, the same bytes are the same batch
+    raw = json.dumps({"lines": [{"rank": 1, "time": 2.0, "line": "no id"}]})
+    for _ in range(2):
+        answer = client.post(url, content=raw, headers={**AGENT, "Content-Type": "application/json"})
+        assert answer.status_code == 204
+    assert line_count(settings) == 8
+    too_long = client.post(url, json={"lines": lines, "batch_id": "x" * 65}, headers=AGENT)
+    assert too_long.status_code == 422 and "batch_id" in too_long.json()["error"]
+
+
+def test_a_metric_batch_sent_again_is_stored_once_with_or_without_an_id(
+    client: TestClient, settings: Settings, allocation_id: int
+) -> None:
+    url = f"/api/v1/allocations/{allocation_id}/metrics"
+    with_id = {"records": [record(step=s) for s in range(3)], "batch_id": "r-0"}
+    without_id = json.dumps({"records": [record(step=s) for s in range(3, 5)]})
+    for _ in range(2):
+        assert client.post(url, json=with_id, headers=AGENT).status_code == 204
+        answer = client.post(url, content=without_id, headers={**AGENT, "Content-Type": "application/json"})
+        assert answer.status_code == 204
+    assert metric_count(settings) == 5
+
+
+def test_the_agent_retries_a_log_batch_whose_answer_was_lost_under_the_same_id(
+    settings: Settings, allocation_id: int, tmp_path: Path
+) -> None:
+    from phalanx.client import Client
+    from phalanx.schemas import LogLineIn
+    from tests.integration.test_dashboard_live import LiveServer
+    from worker_agent.agent import AgentConfig, AgentDaemon
+
+    sent: list[str | None] = []
+
+    class AnswerLostOnce(Client):
+        """The real client; its first delivery reaches the server, and the answer never comes back."""
+
+        def ship_logs(self, agent_id: int, allocation_id: int, lines: Any, batch_id: str | None = None) -> None:
+            super().ship_logs(agent_id, allocation_id, lines, batch_id)
+            sent.append(batch_id)
+            if len(sent) == 1:
+                raise httpx.ReadTimeout("the answer was lost")
+
+    with LiveServer(settings) as live:
+        config = AgentConfig(live.url, AGENT_TOKEN, "a0", "127.0.0.1", 2, 0, tmp_path / "work")
+        agent = AgentDaemon(config)
+        agent.client = AnswerLostOnce(live.url, AGENT_TOKEN)
+        agent.agent_id = 1
+        for i in range(3):
+            agent.shipper.add(allocation_id, LogLineIn(rank=0, time=1.0, line=f"line {i}"))
+        agent.shipper.flush(allocation_id)
+        agent.shipper.add(allocation_id, LogLineIn(rank=0, time=2.0, line="line 3"))
+        agent.shipper.flush(allocation_id)
+        agent.client.close()
+    assert len(sent) == 3 and sent[0] == sent[1] != sent[2]
+    assert str(sent[0]).endswith("-0") and str(sent[2]).endswith("-3")
+    assert line_count(settings) == 4
