@@ -87,8 +87,9 @@ def submit_study(
     session: Session, settings: Settings, principal: Principal, spec: schemas.StudySpec, bundle: BinaryIO | None
 ) -> schemas.Study:
     """Store the trials' code bundle and create the study (422 when no agents could ever host a
-    trial; nothing is created then); its driver starts after the commit."""
+    trial, or its grid is too large; nothing is created then); its driver starts after the commit."""
     checkpoints.check_storage(spec.trial.checkpoint.storage, settings, "trial.checkpoint.storage")
+    studies.check_grid(spec, settings.max_grid_combinations)
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
     with session.begin():
         row = studies.create_study(session, spec, _owner(principal), sha, size)

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from phalanx.schemas.specs import MAX_GRID_COMBINATIONS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="ignore")
@@ -29,6 +31,10 @@ class Settings(BaseSettings):
     # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a
     # shared filesystem, s3://, ...). Empty means <data_dir>/checkpoints.
     checkpoint_uri: str = ""
+    # A grid study walking more combinations than this is refused at submit (422).
+    max_grid_combinations: int = Field(10_000, ge=1, le=MAX_GRID_COMBINATIONS)
+    # Parameter importance is computed from a study's newest COMPLETE trials, at most this many.
+    max_importance_trials: int = Field(1000, ge=2, le=100_000)
     # Other roots a job's `checkpoint.storage` may name (it may also name a sub-path of any root),
     # comma-separated URIs. Nothing else is accepted: no other protocol, no other place.
     checkpoint_roots: str = ""

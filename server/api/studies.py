@@ -118,7 +118,8 @@ def param_importances(
     user: UserDep,
     method: Annotated[str, Query(description="ped_anova (default) or fanova")] = "ped_anova",
 ) -> schemas.ParamImportances:
-    """Each parameter's share of the objective's variation (Optuna's importance evaluators)."""
+    """Each parameter's share of the objective's variation (Optuna's importance evaluators), from
+    the newest PHALANX_MAX_IMPORTANCE_TRIALS COMPLETE trials (the note says when there were more)."""
     from server import tuning
 
     if method not in tuning.IMPORTANCE_METHODS:
@@ -132,8 +133,10 @@ def param_importances(
             study_id=study_id, method=method, importances={}, note=f"needs 2 COMPLETE trials; {complete} so far"
         )
     study = tuning.load(settings.database_url, detail.optuna_study_name, detail.spec)
+    limit = settings.max_importance_trials
     try:
-        values = tuning.importances(study, method)
+        values = tuning.importances(study, method, limit)
     except (ValueError, RuntimeError) as exc:
         return schemas.ParamImportances(study_id=study_id, method=method, importances={}, note=str(exc))
-    return schemas.ParamImportances(study_id=study_id, method=method, importances=values)
+    note = f"from the newest {limit:,} of {complete:,} COMPLETE trials" if complete > limit else None
+    return schemas.ParamImportances(study_id=study_id, method=method, importances=values, note=note)
