@@ -206,10 +206,11 @@ class Client:
         return self._list(LogRecord, f"/jobs/{job_id}/logs", params=params)
 
     def metrics(
-        self, job_id: int, name: str | None = None, limit: int = 100_000, all_attempts: bool = False
+        self, job_id: int, name: str | None = None, limit: int = 100_000, all_attempts: bool = False, after: int = 0
     ) -> list[MetricPoint]:
-        """Metric points, each step once; `all_attempts` adds the steps a restarted attempt re-did."""
-        params: dict[str, Any] = {"limit": limit, "all_attempts": all_attempts}
+        """Metric points, each step once; `all_attempts` adds the steps a restarted attempt re-did.
+        A page of `limit` (100,000 at most): the next starts `after` the last point's `id`."""
+        params: dict[str, Any] = {"limit": limit, "all_attempts": all_attempts, "after": after}
         if name:
             params["name"] = name
         return self._list(MetricPoint, f"/jobs/{job_id}/metrics", params=params)

@@ -25,8 +25,13 @@ class Settings(BaseSettings):
     max_bundle_bytes: int = 64 * 1024 * 1024
     max_metric_batch_bytes: int = 32 * 1024 * 1024
     max_log_batch_bytes: int = 8 * 1024 * 1024
-    # How long an agent's long-poll for new work may hang before it returns unchanged.
-    work_poll_seconds: float = Field(20.0, gt=0)
+    # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
+    # on every other long-poll's wait).
+    work_poll_seconds: float = Field(20.0, gt=0, le=300)
+    # Requests held open (SSE streams, long-polls) per server process: by one holder (a user, an
+    # agent), and in all; past either, 429 with Retry-After (`server/holds.py`).
+    max_held_requests_per_holder: int = Field(16, ge=1)
+    max_held_requests: int = Field(1024, ge=1)
     schedule_interval: float = Field(3.0, gt=0)
     # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a
     # shared filesystem, s3://, ...). Empty means <data_dir>/checkpoints.

@@ -106,6 +106,7 @@ class CheckpointView(WireModel):
 
 
 class MetricPoint(WireModel):
+    id: int  # the order points were stored in: the next page starts after the last one's
     allocation_id: int
     rank: int
     step: int

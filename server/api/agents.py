@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import agents, attempts, auth, commands, views
-from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
+from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
 from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
 from server.errors import Conflict, NotFound
@@ -33,9 +33,15 @@ REAP_MARGIN_S = 0.05
 
 
 @router.get("", response_model=list[schemas.AgentView])
-def list_agents(session: SessionDep, _: UserDep) -> list[schemas.AgentView]:
+def list_agents(
+    session: SessionDep,
+    _: UserDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+    offset: Annotated[int, Query(ge=0, le=MAX_ROW_ID)] = 0,
+) -> list[schemas.AgentView]:
     with session.begin():
-        return views.agents(session, list(session.scalars(select(Agent).order_by(Agent.id))))
+        query = select(Agent).order_by(Agent.id).limit(limit).offset(offset)
+        return views.agents(session, list(session.scalars(query)))
 
 
 @router.post("/register", response_model=schemas.AgentView)
@@ -117,7 +123,7 @@ async def agent_work(
     request: Request,
     services: ServicesDep,
     _: AgentDep,
-    version: str = "",
+    version: Annotated[str, Query(max_length=64)] = "",
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
 ) -> schemas.AgentWork:
     """The agent's assignments; with `version` and `wait`, hangs until they differ from that version.
@@ -140,17 +146,18 @@ async def agent_work(
             pass
         gone.set()
 
-    watcher = asyncio.create_task(watch_disconnect())
-    try:
-        work = await services.waiter.until_changed(
-            agent_channel(agent_id),
-            load,
-            lambda work: work.version != version,
-            min(wait, settings.work_poll_seconds),
-            interrupt=gone,
-        )
-    finally:
-        watcher.cancel()
+    with services.holds.hold(f"agent {agent_id}", "the work long-poll"):
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            work = await services.waiter.until_changed(
+                agent_channel(agent_id),
+                load,
+                lambda work: work.version != version,
+                min(wait, settings.work_poll_seconds),
+                interrupt=gone,
+            )
+        finally:
+            watcher.cancel()
     if gone.is_set():
         await run_in_threadpool(_reap_at_expiry, services, agent_id)
     return work  # (nobody reads it when the agent hung up)

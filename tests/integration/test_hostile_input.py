@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,24 @@ def test_a_page_with_such_an_id_answers_404_too(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    "query",
-    [f"offset={PAST_INT32}", "limit=0", "limit=1001"],
+    "url",
+    [
+        f"/api/v1/jobs?offset={PAST_INT32}",
+        "/api/v1/jobs?limit=0",
+        "/api/v1/jobs?limit=1001",
+        "/api/v1/studies?limit=1001",
+        f"/api/v1/studies?offset={PAST_INT32}",
+        "/api/v1/agents?limit=1001",
+        "/api/v1/jobs/1/logs?limit=10001",
+        "/api/v1/jobs/1/metrics?limit=100001",
+        "/api/v1/jobs/1/metrics?name=" + "n" * 129,
+        "/api/v1/jobs/1?state=QUEUED&wait=301",
+        "/api/v1/studies/1?version=v&wait=301",
+    ],
 )
-def test_out_of_range_counts_answer_422(client: TestClient, query: str) -> None:
-    answer = client.get(f"/api/v1/jobs?{query}", headers=USER)
-    assert answer.status_code == 422 and answer.json()["error"].startswith("invalid request: query.")
+def test_out_of_range_counts_answer_422(client: TestClient, url: str) -> None:
+    answer = client.get(url, headers=USER)
+    assert answer.status_code == 422 and answer.json()["error"].startswith("invalid request: query."), answer.text
 
 
 def test_a_huge_rank_or_cursor_answers_422_not_500(client: TestClient) -> None:
@@ -334,3 +347,80 @@ def test_the_agent_retries_a_log_batch_whose_answer_was_lost_under_the_same_id(
     assert len(sent) == 3 and sent[0] == sent[1] != sent[2]
     assert str(sent[0]).endswith("-0") and str(sent[2]).endswith("-3")
     assert line_count(settings) == 4
+
+
+def test_metric_points_come_in_pages(client: TestClient, allocation_id: int) -> None:
+    posted = client.post(
+        f"/api/v1/allocations/{allocation_id}/metrics",
+        json={"records": [record(step=s) for s in range(5)]},
+        headers=AGENT,
+    )
+    assert posted.status_code == 204
+    job_id = client.get("/api/v1/jobs", headers=USER).json()[0]["id"]
+    url = f"/api/v1/jobs/{job_id}/metrics"
+    first = client.get(url, params={"limit": 3}, headers=USER).json()
+    rest = client.get(url, params={"limit": 3, "after": first[-1]["id"]}, headers=USER).json()
+    assert [p["step"] for p in first] == [0, 1, 2] and [p["step"] for p in rest] == [3, 4]
+
+
+# --- caps on requests held open ---------------------------------------------------------------
+
+
+def wait_until(predicate: Any, what: str) -> None:
+    """Until `predicate()` holds (another thread's request got as far as it), failing after 10 s."""
+    from tests.processes import wait_for
+
+    wait_for(predicate, 10, what, interval=0.01)
+
+
+def test_a_user_past_the_cap_of_long_polls_gets_429_with_retry_after(client: TestClient, settings: Settings) -> None:
+    holds = client.app.state.services.holds  # type: ignore[attr-defined]
+    holds.per_holder = 1  # (PHALANX_MAX_HELD_REQUESTS_PER_HOLDER, read when the app was made)
+    job_id = client.post(
+        "/api/v1/jobs", files={"spec": (None, '{"name": "j", "entrypoint": "python t.py"}')}, headers=USER
+    ).json()["id"]
+    url = f"/api/v1/jobs/{job_id}"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.get, url, params={"state": "QUEUED", "wait": 30}, headers=USER)
+        wait_until(lambda: holds.held() == 1, "the first long-poll to be held")
+        second = client.get(url, params={"state": "QUEUED", "wait": 30}, headers=USER)
+        assert second.status_code == 429 and second.headers["retry-after"] == "5"
+        assert "PHALANX_MAX_HELD_REQUESTS_PER_HOLDER" in second.json()["error"]
+        assert client.get(url, headers=USER).status_code == 200  # a plain read holds nothing
+        assert client.post(f"{url}/kill", headers=USER).status_code == 200
+        assert first.result(timeout=30).json()["state"] == "CANCELLED"
+    assert holds.held() == 0  # released: the next long-poll is taken
+    assert client.get(url, params={"state": "QUEUED", "wait": 1}, headers=USER).status_code == 200
+
+
+def test_the_servers_cap_counts_every_holder(client: TestClient, settings: Settings) -> None:
+    holds = client.app.state.services.holds  # type: ignore[attr-defined]
+    holds.total = 1
+    version = client.get("/api/v1/agents/1/work", headers=AGENT).json()["version"]
+    with ThreadPoolExecutor(1) as pool:
+        agent_poll = pool.submit(
+            client.get, "/api/v1/agents/1/work", params={"version": version, "wait": 1}, headers=AGENT
+        )
+        wait_until(lambda: holds.held("agent 1") == 1, "the agent's long-poll to be held")
+        study = client.get("/api/v1/studies/1", params={"version": "v", "wait": 30}, headers=USER)
+        assert study.status_code == 429 and "PHALANX_MAX_HELD_REQUESTS)" in study.json()["error"]
+        assert agent_poll.result(timeout=30).status_code == 200
+    assert holds.held() == 0
+
+
+def test_a_user_past_the_cap_of_live_streams_gets_429_and_a_closed_one_frees_its_slot(
+    client: TestClient, settings: Settings
+) -> None:
+    from tests.integration.test_dashboard_live import COOKIE, LiveServer
+
+    settings.max_held_requests_per_holder = 1
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, cookies=COOKIE, timeout=30) as http:
+        holds = live.server.config.app.state.services.holds
+        with http.stream("GET", "/events/jobs") as stream:
+            assert stream.status_code == 200
+            refused = http.get("/events/jobs")
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+            assert "PHALANX_MAX_HELD_REQUESTS_PER_HOLDER" in refused.text
+        wait_until(lambda: holds.held() == 0, "the closed stream to free its slot")
+        with http.stream("GET", "/events/jobs") as stream:
+            assert stream.status_code == 200
