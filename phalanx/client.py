@@ -208,10 +208,11 @@ class Client:
         return self._list(LogRecord, f"/jobs/{job_id}/logs", params=params)
 
     def metrics(
-        self, job_id: int, name: str | None = None, limit: int = 100_000, all_attempts: bool = False
+        self, job_id: int, name: str | None = None, limit: int = 100_000, all_attempts: bool = False, after: int = 0
     ) -> list[MetricPoint]:
-        """Metric points, each step once; `all_attempts` adds the steps a restarted attempt re-did."""
-        params: dict[str, Any] = {"limit": limit, "all_attempts": all_attempts}
+        """Metric points, each step once; `all_attempts` adds the steps a restarted attempt re-did.
+        A page of `limit` (100,000 at most): the next starts `after` the last point's `id`."""
+        params: dict[str, Any] = {"limit": limit, "all_attempts": all_attempts, "after": after}
         if name:
             params["name"] = name
         return self._list(MetricPoint, f"/jobs/{job_id}/metrics", params=params)
@@ -387,6 +388,11 @@ class Client:
         body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:]}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
 
-    def ship_logs(self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn]) -> None:
-        body = {"lines": [line.model_dump() for line in lines]}
+    def ship_logs(
+        self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn], batch_id: str | None = None
+    ) -> None:
+        """`batch_id`: the same for every retry of one batch, so that the server stores it once."""
+        body: dict[str, Any] = {"lines": [line.model_dump() for line in lines]}
+        if batch_id is not None:
+            body["batch_id"] = batch_id
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/logs", json=body)

@@ -11,9 +11,11 @@ processes run) and re-reads everything, so it is idempotent and a killed driver 
    step once: the steps a resumed attempt re-does were reported already) and prune the trials
    Optuna's pruner picks: their jobs end PRUNED at once and get SIGTERM (they may checkpoint);
 5. tell Optuna how every trial whose job ended came out: COMPLETE with the objective's last
-   value(s), PRUNED, or FAIL (crash, cancel, no objective reported; Optuna's `fail_reason` says
-   which). Phalanx's job lifecycle is the liveness source: Optuna's heartbeat does not cover
-   ask/tell, and a trial whose job failed for good is told FAIL, never left RUNNING;
+   value(s), PRUNED, or FAIL (crash, cancel, no objective reported, a final objective of NaN;
+   Optuna's `fail_reason` says which). Phalanx's job lifecycle is the liveness source: Optuna's
+   heartbeat does not cover ask/tell, and a trial whose job failed for good is told FAIL, never
+   left RUNNING. A NaN intermediate value is reported as it is: Optuna's pruners judge it (the
+   median, percentile and halving pruners prune a trial gone NaN);
 6. `plan` (pure) decides: launch k trials, wait, or end the study (cancelling what still runs);
    the pass acts on it.
 
@@ -344,6 +346,10 @@ class Driver:
         missing = [o.metric for o, v in zip(spec.objectives, values, strict=True) if v is None]
         if missing:
             return OptunaState.FAIL, None, f"its job completed without reporting {', '.join(missing)}"
+        # Optuna refuses to complete a trial with a NaN value (and ranks infinities as it should)
+        undefined = [o.metric for o, v in zip(spec.objectives, values, strict=True) if v is not None and v != v]
+        if undefined:
+            return OptunaState.FAIL, None, f"its job's last {', '.join(undefined)} was NaN"
         return OptunaState.COMPLETE, [v for v in values if v is not None], None
 
     def _end(self, study: optuna.Study, snapshot: StudySnapshot, decision: Plan) -> None:

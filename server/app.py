@@ -21,6 +21,7 @@ from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
 from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
+from server.holds import HeldRequests
 from server.security_headers import SecurityHeadersMiddleware
 from server.settings import Settings
 from server.wakeups import Enqueue, Publisher, Waiter, publish_after_commit
@@ -69,6 +70,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
             enqueue=enqueue,
             templates=templates,
             prometheus=registry,
+            holds=HeldRequests(settings.max_held_requests_per_holder, settings.max_held_requests),
         ),
     )
     install_handlers(app, pages=dashboard_render.error_page)

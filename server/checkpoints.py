@@ -8,6 +8,7 @@ checkpoint committed; `delete_marked` removes a row only after its files are gon
 from __future__ import annotations
 
 import logging
+import math
 import os
 import posixpath
 from collections.abc import Iterator
@@ -93,12 +94,13 @@ def supersede_redone_steps(session: Session, job_id: int, new_allocation_id: int
 
 def to_keep(checkpoints: list[Checkpoint], policy: CheckpointPolicy) -> set[int]:
     """Ids of the checkpoints retention keeps: the newest `keep_last`, plus the best `keep_best`
-    by `policy.metric` among those that reported it. Pure."""
+    by `policy.metric` among those that reported it as a finite number (a NaN or infinite loss is
+    no one's best). Pure."""
     newest = sorted(checkpoints, key=lambda c: (c.step, c.id), reverse=True)[: policy.keep_last]
     keep = {c.id for c in newest}
     metric = policy.metric
     if policy.keep_best and metric:
-        ranked = [c for c in checkpoints if metric in c.metrics]
+        ranked = [c for c in checkpoints if metric in c.metrics and math.isfinite(c.metrics[metric])]
         ranked.sort(key=lambda c: (c.metrics[metric], -c.step), reverse=policy.mode == "max")
         keep |= {c.id for c in ranked[: policy.keep_best]}
     return keep

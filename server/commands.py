@@ -93,8 +93,9 @@ def submit_study(
     session: Session, settings: Settings, principal: Principal, spec: schemas.StudySpec, bundle: BinaryIO | None
 ) -> schemas.Study:
     """Store the trials' code bundle and create the study (422 when no agents could ever host a
-    trial; nothing is created then); its driver starts after the commit."""
+    trial, or its grid is too large; nothing is created then); its driver starts after the commit."""
     checkpoints.check_storage(spec.trial.checkpoint.storage, settings, "trial.checkpoint.storage")
+    studies.check_grid(spec, settings.max_grid_combinations)
     with session.begin():
         team = teams.team_for_new_work(session, principal, spec.team)
     sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)

@@ -44,6 +44,16 @@ class Unprocessable(PhalanxError):
     status_code = 422
 
 
+class TooManyRequests(PhalanxError):
+    """A cap on what one client (or all) may hold at once was met: retry after `retry_after` s."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class IllegalTransition(Conflict):
     """A state change its rule table refuses, or one that lost a race: the row moved (another
     request committed first) between the read and the compare-and-set write."""
@@ -69,9 +79,13 @@ def install_handlers(app: FastAPI, pages: Callable[[Request, PhalanxError], Resp
     @app.exception_handler(PhalanxError)
     async def _domain(request: Request, exc: PhalanxError) -> Response:
         if pages is not None and not request.url.path.startswith(API_PREFIX):
-            return pages(request, exc)
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        return JSONResponse({"error": exc.message, "detail": exc.detail}, exc.status_code, headers=headers)
+            response = pages(request, exc)
+        else:
+            headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+            response = JSONResponse({"error": exc.message, "detail": exc.detail}, exc.status_code, headers=headers)
+        if isinstance(exc, TooManyRequests):
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

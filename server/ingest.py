@@ -1,7 +1,13 @@
-"""Bulk writes on the hot path: metric points. COPY on PostgreSQL, executemany elsewhere."""
+"""Bulk writes on the hot path: metric points (COPY on PostgreSQL, executemany elsewhere), and
+the batch ids that make a resent metric or log batch a no-op.
+
+A value may be NaN or ±inf (`server.float_columns` says how each store keeps them): these writes
+bypass the column types, so they encode the same way by hand.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -11,8 +17,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
+from phalanx import _wire
 from phalanx.schemas import MetricRecord
-from server.models import Allocation, MetricBatch, utcnow
+from server.models import Allocation, LogBatch, MetricBatch, utcnow
 
 METRIC_COLUMNS = ("job_id", "allocation_id", "rank", "step", "name", "value", "time")
 COPY_METRICS = f"COPY metrics ({', '.join(METRIC_COLUMNS)}) FROM STDIN"
@@ -41,7 +48,9 @@ def sqlite_metric_rows(job_id: int, allocation_id: int, records: list[MetricReco
     for record in records:
         when = from_unix(record.time).isoformat(" ", "microseconds")
         for name, value in record.values.items():
-            rows.append((job_id, allocation_id, record.rank, record.step, name, value, when))
+            # (sqlite3 binds NaN as NULL; infinities it stores as they are)
+            stored = value if value == value else _wire.NAN
+            rows.append((job_id, allocation_id, record.rank, record.step, name, stored, when))
     return rows
 
 
@@ -65,9 +74,10 @@ def record_progress(session: Session, allocation_id: int, records: list[MetricRe
     """Stamp progress (database clock, for hang detection) and merge the batch's newest values
     into the allocation's latest metrics, in one UPDATE: the merge happens in the database, so
     concurrent batches need no lock beyond the row lock this statement takes until commit."""
-    latest: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for record in records:
-        latest.update(record.values)
+        by_name.update(record.values)
+    latest = _wire.encode_floats(by_name)  # JSON: NaN and infinities as strings (`FloatsJSON`)
     step = max((record.step for record in records), default=None)
     values: dict[str, Any] = {"last_progress_at": utcnow()}
     merged: ColumnElement[Any]
@@ -82,14 +92,24 @@ def record_progress(session: Session, allocation_id: int, records: list[MetricRe
     session.execute(update(Allocation).where(Allocation.id == allocation_id).values(**values))
 
 
-def first_delivery(session: Session, allocation_id: int, batch_id: str) -> bool:
-    """Record a batch id; False when it was recorded before (the sender retried a stored batch)."""
+def batch_identity(batch_id: str | None, raw: bytes) -> str:
+    """The sender's id for a batch or, when it gave none, a digest of the body: a resend of the
+    same bytes is then recognised too. (Prefixed: no sender's id of 64 characters can equal it.)"""
+    if batch_id is not None:
+        return batch_id
+    return "body-" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def first_delivery(session: Session, table: type[MetricBatch | LogBatch], allocation_id: int, batch_id: str) -> bool:
+    """Record a batch's id in `table` (MetricBatch or LogBatch); False when it was recorded before
+    (the sender retried a batch whose answer it lost). The primary key decides, so two deliveries
+    racing on two connections store it once too: the second waits for the first's commit."""
     dialect = session.get_bind().dialect.name
     make = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = (
-        make(MetricBatch)
+        make(table)
         .values(allocation_id=allocation_id, batch_id=batch_id)
         .on_conflict_do_nothing()
-        .returning(MetricBatch.batch_id)
+        .returning(table.batch_id)
     )
     return session.execute(statement).first() is not None

@@ -25,10 +25,11 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.sql.functions import FunctionElement
+
+from server.float_columns import FloatsJSON, MetricFloat
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -205,7 +206,7 @@ class Allocation(Base):
     # The newest value of each metric name any rank reported, and the newest step: kept up to date
     # by the metrics route so that showing or listing jobs never scans the metrics table.
     # (JSONB on PostgreSQL: plain json has no equality, and allocations are selected DISTINCT)
-    latest_metrics: Mapped[dict[str, float] | None] = mapped_column(JSON().with_variant(JSONB(), "postgresql"))
+    latest_metrics: Mapped[dict[str, float] | None] = mapped_column(FloatsJSON(binary=True))
     latest_step: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
@@ -258,7 +259,7 @@ class Metric(Base):
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(BigInteger)
     name: Mapped[str] = mapped_column(String(128))
-    value: Mapped[float] = mapped_column(Float)
+    value: Mapped[float] = mapped_column(MetricFloat)  # NaN and infinities included
     time: Mapped[datetime] = mapped_column(DateTime)
     # A resumed attempt re-does the steps after its checkpoint; the failed attempt's points for
     # those steps are kept but marked, and reads skip them unless asked for every attempt.
@@ -269,6 +270,15 @@ class MetricBatch(Base):
     """Batches already stored, so a sender retrying after a lost answer stores nothing twice."""
 
     __tablename__ = "metric_batches"
+
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+
+class LogBatch(Base):
+    """Log batches already stored (`MetricBatch`'s twin for an agent's log shipping)."""
+
+    __tablename__ = "log_batches"
 
     allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -286,7 +296,7 @@ class Checkpoint(Base):
     allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(BigInteger)
-    metrics: Mapped[dict[str, float]] = mapped_column(JSON)
+    metrics: Mapped[dict[str, float]] = mapped_column(FloatsJSON)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     path: Mapped[str] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16))  # COMMITTED | DELETING
@@ -360,7 +370,7 @@ class TuningTrial(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16))
-    values: Mapped[list[float] | None] = mapped_column(JSON)
+    values: Mapped[list[float] | None] = mapped_column(FloatsJSON)
     reported_step: Mapped[int | None] = mapped_column(BigInteger)
     reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())

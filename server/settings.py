@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from phalanx.schemas.specs import MAX_GRID_COMBINATIONS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHALANX_", extra="ignore")
@@ -23,12 +25,21 @@ class Settings(BaseSettings):
     max_bundle_bytes: int = 64 * 1024 * 1024
     max_metric_batch_bytes: int = 32 * 1024 * 1024
     max_log_batch_bytes: int = 8 * 1024 * 1024
-    # How long an agent's long-poll for new work may hang before it returns unchanged.
-    work_poll_seconds: float = Field(20.0, gt=0)
+    # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
+    # on every other long-poll's wait).
+    work_poll_seconds: float = Field(20.0, gt=0, le=300)
+    # Requests held open (SSE streams, long-polls) per server process: by one holder (a user, an
+    # agent), and in all; past either, 429 with Retry-After (`server/holds.py`).
+    max_held_requests_per_holder: int = Field(16, ge=1)
+    max_held_requests: int = Field(1024, ge=1)
     schedule_interval: float = Field(3.0, gt=0)
     # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a
     # shared filesystem, s3://, ...). Empty means <data_dir>/checkpoints.
     checkpoint_uri: str = ""
+    # A grid study walking more combinations than this is refused at submit (422).
+    max_grid_combinations: int = Field(10_000, ge=1, le=MAX_GRID_COMBINATIONS)
+    # Parameter importance is computed from a study's newest COMPLETE trials, at most this many.
+    max_importance_trials: int = Field(1000, ge=2, le=100_000)
     # Other roots a job's `checkpoint.storage` may name (it may also name a sub-path of any root),
     # comma-separated URIs. Nothing else is accepted: no other protocol, no other place.
     checkpoint_roots: str = ""

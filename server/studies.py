@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from phalanx.schemas import TERMINAL_JOB_STATES, JobSpec, JobState, StudySpec, StudyState, TrialState
 from server import jobs
-from server.errors import Conflict, NotFound
+from server.errors import Conflict, NotFound, Unprocessable
 from server.models import Job, TuningStudy, TuningTrial
 from server.task_names import ADVANCE_STUDY_TASK
 from server.transitions import transition_study
@@ -27,6 +27,20 @@ ACTIVE_JOB_STATES = tuple(s.value for s in JobState if s not in TERMINAL_JOB_STA
 def optuna_study_name(study_id: int, name: str) -> str:
     """The study's name in Optuna's tables (and so in optuna-dashboard)."""
     return f"phalanx-{study_id}-{name}"
+
+
+def check_grid(spec: StudySpec, maximum: int) -> None:
+    """422 when a grid study walks more combinations than this server allows (counted, never
+    enumerated; the schema's own ceiling is higher, for the servers that raise it)."""
+    if spec.sampler.type != "grid":
+        return
+    size = spec.grid_size()
+    if size > maximum:
+        raise Unprocessable(
+            f"invalid study spec: sampler: grid: the search space has {size:,} combinations, above this "
+            f"server's limit of {maximum:,} (PHALANX_MAX_GRID_COMBINATIONS); give fewer values or another sampler",
+            [{"field": "sampler", "problem": f"{size:,} grid combinations, above the limit of {maximum:,}"}],
+        )
 
 
 def trial_job_spec(spec: StudySpec, number: int, params: dict[str, object]) -> JobSpec:

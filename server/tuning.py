@@ -148,12 +148,19 @@ def create(url: str, optuna_name: str, spec: schemas.StudySpec) -> optuna.Study:
 IMPORTANCE_METHODS = ("ped_anova", "fanova")
 
 
-def importances(study: optuna.Study, method: str) -> dict[str, float]:
-    """Parameter importance of a single-objective study (Optuna's evaluators). Raises ValueError
-    when there are too few complete trials."""
+def importances(study: optuna.Study, method: str, max_trials: int) -> dict[str, float]:
+    """Parameter importance of a single-objective study (Optuna's evaluators), from its newest
+    `max_trials` COMPLETE trials: fANOVA's forests grow with the trials, and a request computes
+    this while its caller waits (the parameters are bounded by the spec already). Raises
+    ValueError when there are too few complete trials."""
     evaluator: optuna.importance.BaseImportanceEvaluator
     if method == "fanova":
         evaluator = optuna.importance.FanovaImportanceEvaluator(seed=0)
     else:
         evaluator = optuna.importance.PedAnovaImportanceEvaluator()
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if len(complete) > max_trials:
+        newest = optuna.create_study(directions=study.directions)  # in memory: a copy to evaluate
+        newest.add_trials(sorted(complete, key=lambda t: t.number)[-max_trials:])
+        study = newest
     return optuna.importance.get_param_importances(study, evaluator=evaluator)

@@ -40,3 +40,8 @@ def as_rank(client: Any, allocation_id: int) -> dict[str, str]:
     if allocation_id in _rank_tokens:
         return {"Authorization": f"Bearer {_rank_tokens[allocation_id]}"}
     raise AssertionError(f"no registered agent hosts allocation {allocation_id}")
+
+
+def token_of(headers: dict[str, str]) -> str:
+    """The bare token of `as_agent(...)` or `as_rank(...)`, for the SDK's clients."""
+    return headers["Authorization"].removeprefix("Bearer ")

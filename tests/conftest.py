@@ -21,7 +21,8 @@ REDIS_URL = os.environ.get("PHALANX_TEST_REDIS", "redis://127.0.0.1:6379/9")
 ADMIN_TOKEN = "phx_u_test-admin-token"
 AGENT_TOKEN = "phx_a_test-agent-token"
 TABLES = (
-    "tuning_trials, tuning_studies, slot_leases, log_lines, metrics, metric_batches, checkpoints, allocation_nodes, "
+    "tuning_trials, tuning_studies, slot_leases, log_lines, log_batches, metrics, metric_batches, checkpoints, "
+    "allocation_nodes, "
     "allocations, job_events, jobs, agents, api_tokens, users, control_plane, "
     "studies"  # Optuna's; CASCADE empties its trial tables (its version_info stays)
 )

@@ -15,6 +15,7 @@ import shutil
 import tarfile
 import threading
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,11 @@ class AgentConfig:
 
 
 class LogShipper(threading.Thread):
-    """Batches output lines per allocation and ships them; `flush(allocation)` drains one now."""
+    """Batches output lines per allocation and ships them; `flush(allocation)` drains one now.
+
+    Each batch is named "<this shipper's stream>-<number of its first line>" (lines counted per
+    allocation), and every retry of it carries that name: a batch whose answer was lost is stored
+    once however often it is sent."""
 
     def __init__(self, agent: AgentDaemon) -> None:
         super().__init__(name="log-shipper", daemon=True)
@@ -60,6 +65,8 @@ class LogShipper(threading.Thread):
         self._lock = threading.Condition()
         self._pending: dict[int, list[LogLineIn]] = defaultdict(list)
         self._ship_lock = threading.Lock()
+        self._stream = uuid.uuid4().hex[:16]  # a restarted agent never reuses a name
+        self._numbered: dict[int, int] = defaultdict(int)  # allocation -> lines named so far
 
     def add(self, allocation_id: int, line: LogLineIn) -> None:
         with self._lock:
@@ -78,8 +85,14 @@ class LogShipper(threading.Thread):
         with self._ship_lock:  # keep each allocation's lines in order
             for start in range(0, len(lines), 2000):
                 chunk = lines[start : start + 2000]
+                batch_id = f"{self._stream}-{self._numbered[allocation_id]}"
+                self._numbered[allocation_id] += len(chunk)
+
+                def ship(chunk: list[LogLineIn] = chunk, batch_id: str = batch_id) -> None:
+                    self._agent.client.ship_logs(self._agent.agent_id, allocation_id, chunk, batch_id)
+
                 try:
-                    reliably(lambda c=chunk: self._agent.client.ship_logs(self._agent.agent_id, allocation_id, c))  # type: ignore[misc]
+                    reliably(ship)
                 except ApiError as exc:
                     log.warning("dropped %d log lines of allocation %d: %s", len(chunk), allocation_id, exc)
                     return

@@ -43,11 +43,17 @@ def api() -> Iterator[Client]:
         client.close()
 
 
+def jsonable(model: BaseModel) -> Any:
+    """The model as the server writes it: NaN and infinities as "NaN", "Infinity", "-Infinity"
+    (`model_dump(mode="json")` keeps them floats, which json.dumps would write as invalid JSON)."""
+    return json.loads(model.model_dump_json())
+
+
 def print_json(value: Any) -> None:
     if isinstance(value, BaseModel):
-        value = value.model_dump(mode="json")
+        value = jsonable(value)
     elif isinstance(value, list):
-        value = [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in value]
+        value = [jsonable(v) if isinstance(v, BaseModel) else v for v in value]
     sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
 
 

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from phalanx.cli.live import follow_study, trials_table
-from phalanx.cli.output import JsonOpt, api, console, fail, fmt_params, fmt_value, print_json
+from phalanx.cli.output import JsonOpt, api, console, fail, fmt_params, fmt_value, jsonable, print_json
 from phalanx.client import SpecError, load_study_file
 from phalanx.schemas import Study, StudyState
 
@@ -81,7 +81,7 @@ def studies_show(study_id: int, as_json: JsonOpt = False) -> None:
         if not study.spec.multi_objective:
             importance = client.param_importances(study_id)
     if as_json:
-        print_json({**study.model_dump(mode="json"), "importance": importance.model_dump() if importance else None})
+        print_json({**jsonable(study), "importance": jsonable(importance) if importance else None})
         return
     objective = ", ".join(f"{o.direction.value} {o.metric}" for o in study.spec.objectives)
     console.print(f"[bold]study {study.id}[/] {study.name}  state [bold]{study.state.value}[/]  {objective}")

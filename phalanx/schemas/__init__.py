@@ -10,7 +10,7 @@ Every public name is re-exported here: `from phalanx.schemas import JobSpec` and
 are the ways to use them. Importing this package loads pydantic; `phalanx.train` never does.
 """
 
-from phalanx.schemas._base import NAME_PATTERN
+from phalanx.schemas._base import NAME_PATTERN, MetricValue
 from phalanx.schemas.enums import (
     TERMINAL_JOB_STATES,
     AgentState,
@@ -131,6 +131,7 @@ __all__ = [
     "MetricBatchIn",
     "MetricPoint",
     "MetricRecord",
+    "MetricValue",
     "NoPruner",
     "NodeExit",
     "NodeStarted",

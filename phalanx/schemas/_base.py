@@ -1,13 +1,60 @@
-"""What every schema module shares: strict request bodies and the name rule."""
+"""What every schema module shares: the base models, the name rule, and how a metric value that
+JSON cannot write (NaN, ±Infinity) travels."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
+
+from phalanx import _wire
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
-class StrictModel(BaseModel):
+class WireModel(BaseModel):
+    """Every model that crosses the wire. A non-finite float is written as the string "NaN",
+    "Infinity" or "-Infinity" (pydantic's default, null, would lose which one it was and fail a
+    reader that expects a number)."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
+class StrictModel(WireModel):
     """A body a person or a program writes: unknown fields are refused, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+METRIC_VALUE_PROBLEM = 'a metric value is a number, or one of the strings "NaN", "Infinity", "-Infinity"'
+
+
+def _metric_value(value: Any) -> float:
+    # Called per value of every metric batch: the common case (a float) returns first.
+    if type(value) is float:
+        return value  # NaN and infinities included: JSON's NaN/Infinity tokens, or Python's floats
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            raise PydanticCustomError("metric_value", "an integer too large for a float (past 1.8e308)") from None
+    if isinstance(value, str) and value in _wire.TOKENS:
+        return _wire.TOKENS[value]
+    raise PydanticCustomError("metric_value", METRIC_VALUE_PROBLEM)
+
+
+# A reported value: any float, NaN and ±Infinity included (a diverged loss is worth seeing). JSON
+# has no literal for those, so they travel as the strings "NaN", "Infinity", "-Infinity"; every
+# answer writes them so, and requests may use those strings or the NaN/Infinity tokens of Python's
+# json module. Any other string is refused.
+MetricValue = Annotated[
+    float,
+    PlainValidator(_metric_value),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "number"}, {"enum": list(_wire.TOKENS)}],
+            "description": "A number; NaN and the infinities as the strings 'NaN', 'Infinity', '-Infinity'.",
+        }
+    ),
+]

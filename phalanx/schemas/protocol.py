@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from phalanx.schemas._base import NAME_PATTERN, StrictModel
+from phalanx.schemas._base import NAME_PATTERN, MetricValue, StrictModel, WireModel
 from phalanx.schemas.enums import AgentState, Precision, SlotType
 
 # What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
@@ -21,9 +21,6 @@ Count32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Step64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 UnixTime = Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)]
 MetricName = Annotated[str, Field(min_length=1, max_length=128)]
-# Non-finite values are refused for now: JSON has no literal for them, and the metric pipeline
-# (`phalanx.train`) drops them before sending, counting them in its stats.
-MetricValue = Annotated[float, Field(allow_inf_nan=False)]
 MAX_RECORDS_PER_BATCH = 100_000
 MAX_VALUES_PER_RECORD = 1_000
 MAX_LINES_PER_BATCH = 100_000
@@ -39,7 +36,7 @@ class AgentRegistration(StrictModel):
     agent_token: Annotated[str | None, Field(max_length=256)] = None
 
 
-class AgentRegistered(BaseModel):
+class AgentRegistered(WireModel):
     """The registration's answer: which agent this is, and the token it must use from now on."""
 
     id: int
@@ -48,12 +45,12 @@ class AgentRegistered(BaseModel):
     agent_token: str  # `phx_n_<id>_<secret>`: acts for this agent only
 
 
-class ResumePoint(BaseModel):
+class ResumePoint(WireModel):
     step: int
     path: str
 
 
-class Assignment(BaseModel):
+class Assignment(WireModel):
     """What an agent must do for one node of one allocation.
 
     desired: "run"; "stop" (SIGTERM, the script may checkpoint, SIGKILL after the grace period);
@@ -82,7 +79,7 @@ class Assignment(BaseModel):
     credential: str = ""
 
 
-class AgentWork(BaseModel):
+class AgentWork(WireModel):
     version: str  # opaque digest of `assignments`; passing it back makes the server wait for a change
     assignments: list[Assignment]
 
@@ -108,12 +105,25 @@ class LogLineIn(StrictModel):
     line: str
 
 
+BatchId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=64,
+        description="Idempotency key: a batch sent again under the same id (its answer was lost) is stored "
+        "once. Without one the server takes a digest of the body, so only a byte-identical resend is recognised.",
+    ),
+]
+
+
 class LogBatch(StrictModel):
     lines: Annotated[list[LogLineIn], Field(max_length=MAX_LINES_PER_BATCH)]
+    batch_id: BatchId | None = None  # the agent sends "<its stream>-<first line's number>"
 
 
 class MetricRecord(StrictModel):
-    """One `report()` call of one rank: several named values at one step."""
+    """One `report()` call of one rank: several named values at one step. A value may be NaN or
+    ±Infinity, written as the string "NaN", "Infinity" or "-Infinity" (`MetricValue`)."""
 
     rank: Count32
     step: Step64
@@ -123,7 +133,7 @@ class MetricRecord(StrictModel):
 
 class MetricBatchIn(StrictModel):
     records: Annotated[list[MetricRecord], Field(max_length=MAX_RECORDS_PER_BATCH)]
-    batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
+    batch_id: BatchId | None = None  # a rank sends "<its stream>-<first record's number>"
 
 
 class CheckpointCommit(StrictModel):

@@ -1,14 +1,18 @@
 """What users write: a job file maps 1:1 onto `JobSpec`, a study file onto `StudySpec`.
 
 Every inconsistency Optuna (or the launcher) would trip over later is refused here, naming the field.
+Every string, list and map is bounded and every number finite, so that a spec costs a known amount
+to store, to launch and to hand to Optuna; each refusal names the field and the limit.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from phalanx.schemas._base import NAME_PATTERN, StrictModel
 from phalanx.schemas.enums import Direction, Precision, SlotType
@@ -18,8 +22,54 @@ ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV_PREFIXES = ("PHALANX_", "MASTER_", "TORCHELASTIC_")
 RESERVED_ENV_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
 
+# Hyperparameters reach the ranks as one environment variable (PHALANX_HPARAMS, JSON), and Linux
+# refuses to start a process with a variable over 128 KiB; env and hyperparameters together stay
+# well inside the few MiB a process's whole environment may hold.
+MAX_ENV_VARS = 256
+MAX_ENV_KEY_CHARS = 128
+MAX_ENV_VALUE_CHARS = 16_384
+MAX_ENV_TOTAL_CHARS = 65_536
+MAX_HYPERPARAMETERS = 256
+MAX_HYPERPARAMETER_KEY_CHARS = 128
+MAX_HYPERPARAMETER_JSON_CHARS = 16_384  # one value, written as JSON
+MAX_HYPERPARAMETERS_JSON_CHARS = 65_536  # all of them, as PHALANX_HPARAMS
+MAX_PATH_CHARS = 4096
+MAX_RETAINED_CHECKPOINTS = 1000
+# Studies: what Optuna is handed stays small enough to sample from and to evaluate importance on.
+MAX_OBJECTIVES = 16
+MAX_SEARCH_SPACE = 100  # parameters
+MAX_CHOICES = 1000
+MAX_CHOICE_CHARS = 256
+MAX_GRID_COMBINATIONS = 1_000_000  # the ceiling; a server may set a lower one (PHALANX_MAX_GRID_COMBINATIONS)
+MAX_SEED = 2**32 - 1  # numpy's seeds
+MAX_EXACT_INT = 2**53  # Optuna keeps parameters as floats: past this an integer is not kept exactly
+MAX_TRIALS = 10_000
 
-class Resources(StrictModel):
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Steps = Annotated[int, Field(ge=0, le=2**63 - 1)]
+ExactInt = Annotated[int, Field(ge=-MAX_EXACT_INT, le=MAX_EXACT_INT)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+ParamName = Annotated[str, Field(min_length=1, max_length=MAX_HYPERPARAMETER_KEY_CHARS)]
+
+
+class SpecModel(StrictModel):
+    """A file a person writes: unknown fields refused, and every number finite (NaN and infinity
+    are no setting's value)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+def _json_chars(value: Any) -> int:
+    """Characters of `value` as JSON; ValueError naming the problem when JSON cannot write it."""
+    try:
+        return len(json.dumps(value, allow_nan=False, separators=(",", ":")))
+    except ValueError:
+        raise ValueError("NaN and Infinity are not allowed (JSON has no such number)") from None
+    except (TypeError, RecursionError):
+        raise ValueError("not a JSON value") from None
+
+
+class Resources(SpecModel):
     nodes: int = Field(1, ge=1, le=1024, description="Number of nodes (agents) in the gang.")
     slots_per_node: int = Field(1, ge=1, le=256, description="Worker processes (ranks) per node.")
     slot_type: SlotType = SlotType.CPU
@@ -29,12 +79,17 @@ class Resources(StrictModel):
         return self.nodes * self.slots_per_node
 
 
-class CheckpointPolicy(StrictModel):
-    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints (at least 1: the resume point).")
-    keep_best: int = Field(0, ge=0, description="Also keep the best K by `metric`.")
-    metric: str | None = None
+class CheckpointPolicy(SpecModel):
+    keep_last: int = Field(
+        2,
+        ge=1,
+        le=MAX_RETAINED_CHECKPOINTS,
+        description="Keep the newest N checkpoints (at least 1: the resume point).",
+    )
+    keep_best: int = Field(0, ge=0, le=MAX_RETAINED_CHECKPOINTS, description="Also keep the best K by `metric`.")
+    metric: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     mode: Literal["min", "max"] = "min"
-    storage: str | None = Field(
+    storage: Annotated[str, Field(max_length=MAX_PATH_CHARS)] | None = Field(
         None, description="fsspec URI of the checkpoint root (default: the deployment's PHALANX_CHECKPOINT_URI)."
     )
 
@@ -45,7 +100,7 @@ class CheckpointPolicy(StrictModel):
         return self
 
 
-class JobSpec(StrictModel):
+class JobSpec(SpecModel):
     """A job file. Every field a user may write; nothing else is accepted."""
 
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -53,9 +108,12 @@ class JobSpec(StrictModel):
         None, description="The team the job belongs to (default: your only team; none if you have none)."
     )
     entrypoint: Annotated[str, Field(min_length=1, max_length=4096)]
-    workdir: str = "."
+    workdir: Annotated[str, Field(max_length=MAX_PATH_CHARS)] = "."
     resources: Resources = Field(default_factory=Resources)
-    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    hyperparameters: Annotated[
+        dict[Annotated[str, Field(min_length=1, max_length=MAX_HYPERPARAMETER_KEY_CHARS)], Any],
+        Field(max_length=MAX_HYPERPARAMETERS),
+    ] = Field(default_factory=dict)
     precision: Precision = Precision.FP32
     max_restarts: int = Field(0, ge=0, le=1000, description="Restarts after the job's own failures.")
     max_infra_restarts: int = Field(
@@ -66,7 +124,13 @@ class JobSpec(StrictModel):
     )
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     priority: int = Field(50, ge=0, le=100)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Annotated[
+        dict[
+            Annotated[str, Field(max_length=MAX_ENV_KEY_CHARS)],
+            Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)],
+        ],
+        Field(max_length=MAX_ENV_VARS),
+    ] = Field(default_factory=dict)
 
     @field_validator("entrypoint")
     @classmethod
@@ -83,7 +147,32 @@ class JobSpec(StrictModel):
                 raise ValueError(f"env key {key!r} is not a valid variable name")
             if key in RESERVED_ENV_KEYS or key.startswith(RESERVED_ENV_PREFIXES):
                 raise ValueError(f"env key {key!r} is set by Phalanx for every rank; choose another name")
+        total = sum(len(key) + len(value) + 2 for key, value in env.items())
+        if total > MAX_ENV_TOTAL_CHARS:
+            raise ValueError(f"the variables take {total:,} characters, above the limit of {MAX_ENV_TOTAL_CHARS:,}")
         return env
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _hyperparameters_fit(cls, values: dict[str, Any]) -> dict[str, Any]:
+        total = 2
+        for key, value in values.items():
+            try:
+                chars = _json_chars(value)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+            if chars > MAX_HYPERPARAMETER_JSON_CHARS:
+                raise ValueError(
+                    f"{key}: its value takes {chars:,} characters as JSON, above the limit of "
+                    f"{MAX_HYPERPARAMETER_JSON_CHARS:,}; pass large inputs as files in the workdir"
+                )
+            total += len(json.dumps(key)) + chars + 2
+        if total > MAX_HYPERPARAMETERS_JSON_CHARS:
+            raise ValueError(
+                f"they take {total:,} characters as JSON (PHALANX_HPARAMS), above the limit of "
+                f"{MAX_HYPERPARAMETERS_JSON_CHARS:,}"
+            )
+        return values
 
 
 # --- hyperparameter studies ------------------------------------------------------------------
@@ -94,17 +183,17 @@ STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$"  # trial jobs are name
 GridValue = str | int | float | bool | None
 
 
-class Objective(StrictModel):
+class Objective(SpecModel):
     metric: Annotated[str, Field(min_length=1, max_length=128, description="A metric the script reports.")]
     direction: Direction = Direction.MINIMIZE
 
 
 def _is_multiple(span: float, step: float) -> bool:
     ratio = span / step
-    return abs(ratio - round(ratio)) <= 1e-9 * max(1.0, abs(ratio))
+    return math.isfinite(ratio) and abs(ratio - round(ratio)) <= 1e-9 * max(1.0, abs(ratio))
 
 
-class FloatParam(StrictModel):
+class FloatParam(SpecModel):
     type: Literal["float"]
     low: float
     high: float
@@ -115,6 +204,8 @@ class FloatParam(StrictModel):
     def _consistent(self) -> FloatParam:
         if self.low > self.high:
             raise ValueError(f"low ({self.low}) is above high ({self.high})")
+        if not math.isfinite(self.high - self.low):
+            raise ValueError(f"high - low ({self.high} - {self.low}) is past the largest float")
         if self.log and self.low <= 0:
             raise ValueError(f"log needs low > 0 (low is {self.low})")
         if self.log and self.step is not None:
@@ -123,18 +214,22 @@ class FloatParam(StrictModel):
             raise ValueError(f"high - low ({self.high - self.low:g}) is not a multiple of step ({self.step:g})")
         return self
 
+    def grid_size(self) -> int | None:
+        """How many values `grid()` holds, without making them (None: continuous)."""
+        return None if self.step is None else round((self.high - self.low) / self.step) + 1
+
     def grid(self) -> list[GridValue] | None:
-        if self.step is None:
+        count = self.grid_size()
+        if self.step is None or count is None:
             return None
-        count = round((self.high - self.low) / self.step) + 1
         return [self.low + i * self.step for i in range(count)]
 
 
-class IntParam(StrictModel):
+class IntParam(SpecModel):
     type: Literal["int"]
-    low: int
-    high: int
-    step: int = Field(1, ge=1)
+    low: ExactInt
+    high: ExactInt
+    step: int = Field(1, ge=1, le=MAX_EXACT_INT)
     log: bool = False
 
     @model_validator(mode="after")
@@ -149,13 +244,19 @@ class IntParam(StrictModel):
             raise ValueError(f"high - low ({self.high - self.low}) is not a multiple of step ({self.step})")
         return self
 
+    def grid_size(self) -> int:
+        return (self.high - self.low) // self.step + 1
+
     def grid(self) -> list[GridValue] | None:
         return list(range(self.low, self.high + 1, self.step))
 
 
-class CategoricalParam(StrictModel):
+Choice = Annotated[str, Field(max_length=MAX_CHOICE_CHARS)] | ExactInt | float | bool | None
+
+
+class CategoricalParam(SpecModel):
     type: Literal["categorical"]
-    choices: Annotated[list[GridValue], Field(min_length=1)]
+    choices: Annotated[list[Choice], Field(min_length=1, max_length=MAX_CHOICES)]
 
     @field_validator("choices")
     @classmethod
@@ -165,6 +266,9 @@ class CategoricalParam(StrictModel):
             raise ValueError("choices must be distinct")
         return choices
 
+    def grid_size(self) -> int:
+        return len(self.choices)
+
     def grid(self) -> list[GridValue] | None:
         return list(self.choices)
 
@@ -172,13 +276,13 @@ class CategoricalParam(StrictModel):
 Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
 
 
-class _Seeded(StrictModel):
-    seed: int | None = Field(None, description="Makes the sampling reproducible.")
+class _Seeded(SpecModel):
+    seed: Seed | None = Field(None, description="Makes the sampling reproducible.")
 
 
 class TpeSampler(_Seeded):
     type: Literal["tpe"]
-    n_startup_trials: int = Field(10, ge=0)
+    n_startup_trials: int = Field(10, ge=0, le=MAX_TRIALS)
     multivariate: bool = False
     # Parallel trials: pretend the running ones scored badly, so two workers don't sample one point.
     constant_liar: bool = True
@@ -194,18 +298,18 @@ class GridSampler(_Seeded):
 
 class CmaEsSampler(_Seeded):
     type: Literal["cmaes"]
-    n_startup_trials: int = Field(1, ge=0)
+    n_startup_trials: int = Field(1, ge=0, le=MAX_TRIALS)
     sigma0: float | None = Field(None, gt=0)
 
 
 class GpSampler(_Seeded):
     type: Literal["gp"]
-    n_startup_trials: int = Field(10, ge=0)
+    n_startup_trials: int = Field(10, ge=0, le=MAX_TRIALS)
 
 
 class NsgaIISampler(_Seeded):
     type: Literal["nsga2"]
-    population_size: int = Field(50, ge=2)
+    population_size: int = Field(50, ge=2, le=MAX_TRIALS)
 
 
 Sampler = Annotated[
@@ -213,10 +317,10 @@ Sampler = Annotated[
 ]
 
 
-class _Windowed(StrictModel):
-    n_startup_trials: int = Field(5, ge=0, description="Prune nothing until this many trials completed.")
-    n_warmup_steps: int = Field(0, ge=0, description="Prune no trial before this step.")
-    interval_steps: int = Field(1, ge=1)
+class _Windowed(SpecModel):
+    n_startup_trials: int = Field(5, ge=0, le=MAX_TRIALS, description="Prune nothing until this many trials completed.")
+    n_warmup_steps: Steps = Field(0, description="Prune no trial before this step.")
+    interval_steps: int = Field(1, ge=1, le=2**63 - 1)
 
 
 class MedianPruner(_Windowed):
@@ -228,21 +332,22 @@ class PercentilePruner(_Windowed):
     percentile: float = Field(ge=0, le=100)
 
 
-class SuccessiveHalvingPruner(StrictModel):
+# (the halving pruners raise reduction_factor to powers: small bounds keep that arithmetic cheap)
+class SuccessiveHalvingPruner(SpecModel):
     type: Literal["successive_halving"]
-    min_resource: int | Literal["auto"] = "auto"
-    reduction_factor: int = Field(4, ge=2)
-    min_early_stopping_rate: int = Field(0, ge=0)
+    min_resource: Annotated[int, Field(ge=1, le=2**62)] | Literal["auto"] = "auto"
+    reduction_factor: int = Field(4, ge=2, le=100)
+    min_early_stopping_rate: int = Field(0, ge=0, le=64)
 
 
-class HyperbandPruner(StrictModel):
+class HyperbandPruner(SpecModel):
     type: Literal["hyperband"]
-    min_resource: int = Field(1, ge=1)
-    max_resource: int | Literal["auto"] = "auto"
-    reduction_factor: int = Field(3, ge=2)
+    min_resource: int = Field(1, ge=1, le=2**62)
+    max_resource: Annotated[int, Field(ge=1, le=2**62)] | Literal["auto"] = "auto"
+    reduction_factor: int = Field(3, ge=2, le=100)
 
 
-class NoPruner(StrictModel):
+class NoPruner(SpecModel):
     type: Literal["none"]
 
 
@@ -273,25 +378,29 @@ class TrialTemplate(JobSpec):
         return self
 
 
-class StudySpec(StrictModel):
+class StudySpec(SpecModel):
     """A study file. Optuna drives the trials; each trial is a Phalanx job."""
 
     name: Annotated[str, Field(pattern=STUDY_NAME_PATTERN)]
     team: Annotated[str | None, Field(pattern=NAME_PATTERN)] = Field(
         None, description="The team the study and its trials belong to (default: your only team)."
     )
-    objective: Objective | Annotated[list[Objective], Field(min_length=1)] = Field(
+    objective: Objective | Annotated[list[Objective], Field(min_length=1, max_length=MAX_OBJECTIVES)] = Field(
         description="The metric to optimise, or a list of them (multi-objective)."
     )
-    search_space: dict[str, Param]
+    search_space: Annotated[dict[ParamName, Param], Field(max_length=MAX_SEARCH_SPACE)]
     sampler: Sampler = Field(default_factory=lambda: TpeSampler(type="tpe"))
     pruner: Pruner = Field(default_factory=lambda: NoPruner(type="none"))
-    n_trials: int = Field(ge=1, le=10_000, description="Trials to run in all, whatever their outcome.")
+    n_trials: int = Field(ge=1, le=MAX_TRIALS, description="Trials to run in all, whatever their outcome.")
     parallelism: int = Field(1, ge=1, le=1000, description="Trials in flight at most (queued or running).")
-    max_failed_trials: int | None = Field(None, ge=1, description="Fail the study after this many failed trials.")
+    max_failed_trials: int | None = Field(
+        None, ge=1, le=MAX_TRIALS, description="Fail the study after this many failed trials."
+    )
     timeout: float | None = Field(None, gt=0, description="Start no trial after this many seconds of running.")
     target_value: float | None = Field(None, description="Stop once a trial reaches this value.")
-    enqueue: list[dict[str, Any]] = Field(default_factory=list, description="Configurations to try first.")
+    enqueue: Annotated[list[dict[ParamName, Any]], Field(max_length=MAX_TRIALS)] = Field(
+        default_factory=list, description="Configurations to try first."
+    )
     trial: TrialTemplate
 
     @field_validator("sampler", "pruner", mode="before")
@@ -314,18 +423,25 @@ class StudySpec(StrictModel):
     def multi_objective(self) -> bool:
         return len(self.objectives) > 1
 
-    def grid(self) -> dict[str, list[GridValue]]:
-        """Every parameter's values for the grid sampler; raises naming a continuous parameter."""
-        values = {}
+    def grid_size(self) -> int:
+        """How many combinations the grid sampler would walk, counted without making them (a
+        product of counts: a handful of wide integer ranges is already more than memory holds);
+        raises naming a continuous parameter."""
+        size = 1
         for name, param in self.search_space.items():
-            points = param.grid()
-            if points is None:
+            count = param.grid_size()
+            if count is None:
                 raise ValueError(
                     f"search_space.{name}: the grid sampler needs a finite set of values; give it a step "
                     "or make it categorical"
                 )
-            values[name] = points
-        return values
+            size *= count
+        return size
+
+    def grid(self) -> dict[str, list[GridValue]]:
+        """Every parameter's values for the grid sampler (`grid_size()` first: this makes them)."""
+        self.grid_size()
+        return {name: param.grid() or [] for name, param in self.search_space.items()}
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
@@ -342,11 +458,15 @@ class StudySpec(StrictModel):
             if self.target_value is not None:
                 raise ValueError("target_value needs a single objective")
         if self.sampler.type == "grid":
-            size = 1
-            for points in self.grid().values():
-                size *= len(points)
+            size = self.grid_size()
+            if size > MAX_GRID_COMBINATIONS:
+                raise ValueError(
+                    f"sampler: grid: the search space has {_count(size)} combinations, above the limit of "
+                    f"{MAX_GRID_COMBINATIONS:,}; give fewer values (coarser steps, fewer choices) or another sampler"
+                )
             if self.n_trials > size:
                 raise ValueError(f"n_trials ({self.n_trials}) is above the grid's {size} combinations; lower n_trials")
+        self._trial_hyperparameters_fit()
         if len(self.enqueue) > self.n_trials:
             raise ValueError(f"enqueue: {len(self.enqueue)} configurations but n_trials is {self.n_trials}")
         for index, params in enumerate(self.enqueue):
@@ -357,6 +477,37 @@ class StudySpec(StrictModel):
                 if problem:
                     raise ValueError(f"enqueue[{index}].{name}: {problem}")
         return self
+
+    def _trial_hyperparameters_fit(self) -> None:
+        """A trial's hyperparameters are the template's with the sampled parameters over them:
+        refuse a study whose trials could outgrow the bounds of a job's hyperparameters."""
+        kept = {k: v for k, v in self.trial.hyperparameters.items() if k not in self.search_space}
+        count = len(kept) + len(self.search_space)
+        if count > MAX_HYPERPARAMETERS:
+            raise ValueError(
+                f"trial.hyperparameters: with the search space's parameters a trial has {count} hyperparameters, "
+                f"above the limit of {MAX_HYPERPARAMETERS}"
+            )
+        chars = _json_chars(kept) + sum(len(json.dumps(n)) + 2 + _widest(p) for n, p in self.search_space.items())
+        if chars > MAX_HYPERPARAMETERS_JSON_CHARS:
+            raise ValueError(
+                f"trial.hyperparameters: with the search space's parameters a trial's hyperparameters could take "
+                f"{chars:,} characters as JSON, above the limit of {MAX_HYPERPARAMETERS_JSON_CHARS:,}"
+            )
+
+
+def _widest(param: FloatParam | IntParam | CategoricalParam) -> int:
+    """The most characters a sampled value of `param` takes as JSON."""
+    if isinstance(param, CategoricalParam):
+        return max(_json_chars(choice) for choice in param.choices)
+    if isinstance(param, IntParam):
+        return max(len(str(param.low)), len(str(param.high)))
+    return len(repr(-2.2250738585072014e-308))  # the longest a float's repr gets
+
+
+def _count(number: int) -> str:
+    """A count for a message: its digits, or its magnitude when it is past reading."""
+    return f"{number:,}" if number < 10**15 else f"about 10^{len(str(number)) - 1}"
 
 
 def _outside(param: FloatParam | IntParam | CategoricalParam, value: Any) -> str | None:

@@ -8,21 +8,21 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from phalanx.schemas._base import NAME_PATTERN, StrictModel
+from phalanx.schemas._base import NAME_PATTERN, MetricValue, StrictModel, WireModel
 from phalanx.schemas.enums import AgentState, Direction, JobState, NodeState, StudyState, TrialState
 from phalanx.schemas.specs import JobSpec, StudySpec
 
 
-class JobEventView(BaseModel):
+class JobEventView(WireModel):
     time: datetime
     from_state: JobState | None
     to_state: JobState
     reason: str
 
 
-class NodeView(BaseModel):
+class NodeView(WireModel):
     node_rank: int
     agent_id: int
     agent_name: str
@@ -31,7 +31,7 @@ class NodeView(BaseModel):
     exit_code: int | None
 
 
-class AllocationView(BaseModel):
+class AllocationView(WireModel):
     id: int
     attempt: int
     master_addr: str
@@ -45,7 +45,7 @@ class AllocationView(BaseModel):
     nodes: list[NodeView]
 
 
-class JobView(BaseModel):
+class JobView(WireModel):
     id: int
     name: str
     state: JobState
@@ -61,7 +61,7 @@ class JobView(BaseModel):
     attempts: int
     restarts_used: int = 0
     infra_restarts_used: int = 0
-    latest_metrics: dict[str, float] = Field(default_factory=dict)
+    latest_metrics: dict[str, MetricValue] = Field(default_factory=dict)
     latest_step: int | None = None
     study_id: int | None = None  # set for a trial job of a hyperparameter study
     trial_number: int | None = None
@@ -72,7 +72,7 @@ class JobDetail(JobView):
     allocations: list[AllocationView]
 
 
-class AgentView(BaseModel):
+class AgentView(WireModel):
     id: int
     name: str
     address: str
@@ -85,7 +85,7 @@ class AgentView(BaseModel):
     last_heartbeat: datetime
 
 
-class LogRecord(BaseModel):
+class LogRecord(WireModel):
     id: int
     allocation_id: int
     rank: int | None
@@ -94,28 +94,29 @@ class LogRecord(BaseModel):
     line: str
 
 
-class CheckpointView(BaseModel):
+class CheckpointView(WireModel):
     id: int
     job_id: int
     attempt: int
     step: int
-    metrics: dict[str, float]
+    metrics: dict[str, MetricValue]
     size_bytes: int
     path: str
     state: str
     created_at: datetime
 
 
-class MetricPoint(BaseModel):
+class MetricPoint(WireModel):
+    id: int  # the order points were stored in: the next page starts after the last one's
     allocation_id: int
     rank: int
     step: int
     name: str
-    value: float
+    value: MetricValue
     time: datetime
 
 
-class TokenCreated(BaseModel):
+class TokenCreated(WireModel):
     id: int
     kind: Literal["user", "agent"]
     name: str
@@ -123,7 +124,7 @@ class TokenCreated(BaseModel):
     expires_at: datetime | None = None
 
 
-class TokenView(BaseModel):
+class TokenView(WireModel):
     """A token as `tokens list` shows it: never its value."""
 
     id: int
@@ -147,12 +148,12 @@ class MembershipRequest(StrictModel):
     role: TeamRole = "member"
 
 
-class TeamMemberView(BaseModel):
+class TeamMemberView(WireModel):
     user: str
     role: TeamRole
 
 
-class TeamView(BaseModel):
+class TeamView(WireModel):
     """A team as its members see it (and cluster admins, every team)."""
 
     id: int
@@ -168,22 +169,22 @@ class TokenRequest(StrictModel):
     expires_in_s: Annotated[int | None, Field(ge=60, le=MAX_TOKEN_LIFETIME_S)] = None
 
 
-class TrialView(BaseModel):
+class TrialView(WireModel):
     number: int
     job_id: int
     job_state: JobState
     state: TrialState
     params: dict[str, Any]
-    values: list[float] | None  # one per objective, once COMPLETE (PRUNED: the last intermediate value)
+    values: list[MetricValue] | None  # one per objective, once COMPLETE (PRUNED: the last intermediate value)
     last_step: int | None  # the newest intermediate value reported to Optuna
     reason: str | None
     best: bool = False  # the best trial, or on the Pareto front of a multi-objective study
-    best_so_far: float | None = None  # single objective: the best COMPLETE value up to this trial
+    best_so_far: MetricValue | None = None  # single objective: the best COMPLETE value up to this trial
     created_at: datetime
     ended_at: datetime | None
 
 
-class Study(BaseModel):
+class Study(WireModel):
     id: int
     name: str
     state: StudyState
@@ -195,7 +196,7 @@ class Study(BaseModel):
     created_at: datetime
     ended_at: datetime | None
     trial_counts: dict[str, int]  # by TrialState
-    best_values: list[float] | None
+    best_values: list[MetricValue] | None
     best_trial: int | None
 
 
@@ -204,13 +205,13 @@ class StudyDetail(Study):
     trials: list[TrialView]
 
 
-class StudyBest(BaseModel):
+class StudyBest(WireModel):
     study_id: int
     directions: list[Direction]
     trials: list[TrialView]  # the best one; every trial on the Pareto front when multi-objective
 
 
-class ParamImportances(BaseModel):
+class ParamImportances(WireModel):
     study_id: int
     method: str
     importances: dict[str, float]

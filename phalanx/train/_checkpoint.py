@@ -24,6 +24,8 @@ import fsspec
 import torch
 import torch.distributed as dist
 
+from phalanx import _wire
+
 logger = logging.getLogger("phalanx.train")
 STATE_FILE = "state.pt"
 
@@ -65,7 +67,7 @@ class _Pending:
     step: int
     tmp: str
     final: str
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | str] = field(default_factory=dict)  # as the commit sends them
 
 
 class CheckpointWriter:
@@ -170,13 +172,14 @@ class CheckpointWriter:
             self._thread.join(timeout)
 
 
-def _floats(values: Mapping[str, Any]) -> dict[str, float]:
-    out = {}
+def _floats(values: Mapping[str, Any]) -> dict[str, float | str]:
+    """The numbers among `values`, a NaN or an infinity as its wire string (the server keeps it,
+    and never ranks such a checkpoint best)."""
+    out: dict[str, float | str] = {}
     for key, value in values.items():
         try:
             number = float(value.item() if isinstance(value, torch.Tensor) else value)
         except (TypeError, ValueError, RuntimeError):
             continue
-        if number == number and abs(number) != float("inf"):
-            out[key] = number
+        out[key] = _wire.encode(number)
     return out

@@ -21,6 +21,7 @@ from itertools import islice
 from queue import Empty, SimpleQueue
 from typing import Any, Protocol, TypedDict
 
+from phalanx import _wire
 from phalanx._retry import backoff_delay
 
 logger = logging.getLogger("phalanx.train")
@@ -37,12 +38,14 @@ URGENT_RETRY_S = 0.1  # while someone waits in flush()/close(), retry often inst
 
 
 class MetricRecordDict(TypedDict):
-    """The JSON form of phalanx.schemas.MetricRecord (kept as a dict: no pydantic on this path)."""
+    """The JSON form of phalanx.schemas.MetricRecord (kept as a dict: no pydantic on this path).
+    On its way to a server a NaN or infinite value is already its wire string ("NaN", "Infinity",
+    "-Infinity": `phalanx._wire`); records kept in memory hold plain floats."""
 
     rank: int
     step: int
     time: float
-    values: dict[str, float]
+    values: dict[str, float | str]
 
 
 class SendOutcome(enum.Enum):
@@ -69,7 +72,7 @@ class MetricStats:
     sent: int
     pending: int
     dropped_overflow: int  # oldest records dropped because the buffer was full
-    dropped_nonfinite: int  # individual nan/inf values (JSON cannot carry them)
+    nonfinite: int  # nan/inf values reported (kept, and sent as "NaN", "Infinity", "-Infinity")
     dropped_invalid: int  # values that are not numbers, non-str keys, steps that are not integers
     rejected: int  # records in batches the server refused for good
     discarded_superseded: int  # records not sent because this allocation was superseded
@@ -127,7 +130,7 @@ class MetricPipeline:
         self._records = 0
         self._sent = 0
         self._dropped_overflow = 0
-        self._dropped_nonfinite = 0
+        self._nonfinite = 0
         self._dropped_invalid = 0
         self._rejected = 0
         self._discarded = 0
@@ -173,7 +176,7 @@ class MetricPipeline:
             sent=self._sent,
             pending=len(self._buffer) + self.queue.qsize(),
             dropped_overflow=self._dropped_overflow,
-            dropped_nonfinite=self._dropped_nonfinite,
+            nonfinite=self._nonfinite,
             dropped_invalid=self._dropped_invalid,
             rejected=self._rejected,
             discarded_superseded=self._discarded,
@@ -247,7 +250,7 @@ class MetricPipeline:
         except (TypeError, ValueError, RuntimeError):
             self._dropped_invalid += 1
             return None
-        values: dict[str, float] = {}
+        values: dict[str, float | str] = {}
         for key, raw in raw_values.items():
             if not isinstance(key, str) or isinstance(raw, str | bytes):
                 self._dropped_invalid += 1
@@ -261,7 +264,9 @@ class MetricPipeline:
                 self._dropped_invalid += 1
                 continue
             if not math.isfinite(value):
-                self._dropped_nonfinite += 1
+                self._nonfinite += 1
+                # orjson would write null: the wire's string now, off the hot path of finite values
+                values[key] = value if self._sink is None else _wire.token(value)
                 continue
             values[key] = value
         if not values:

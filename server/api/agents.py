@@ -14,12 +14,12 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, agents, attempts, auth, commands, views
-from server.api.deps import AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
+from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
 from server.api.uploads import invalid_batch
 from server.checkpoints import storage_for
 from server.errors import Conflict, Forbidden, NotFound
-from server.ingest import from_unix
-from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogLine, utcnow
+from server.ingest import batch_identity, first_delivery, from_unix
+from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogBatch, LogLine, utcnow
 from server.settings import Settings
 from server.task_names import REAP_TASK
 from server.wakeups import agent_channel, note_agent_work, note_job_data
@@ -33,9 +33,15 @@ REAP_MARGIN_S = 0.05
 
 
 @router.get("", response_model=list[schemas.AgentView])
-def list_agents(session: SessionDep, _: UserDep) -> list[schemas.AgentView]:
+def list_agents(
+    session: SessionDep,
+    _: UserDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+    offset: Annotated[int, Query(ge=0, le=MAX_ROW_ID)] = 0,
+) -> list[schemas.AgentView]:
     with session.begin():
-        return views.agents(session, list(session.scalars(select(Agent).order_by(Agent.id))))
+        query = select(Agent).order_by(Agent.id).limit(limit).offset(offset)
+        return views.agents(session, list(session.scalars(query)))
 
 
 @router.post("/register", response_model=schemas.AgentRegistered)
@@ -154,17 +160,18 @@ async def agent_work(
             pass
         gone.set()
 
-    watcher = asyncio.create_task(watch_disconnect())
-    try:
-        work = await services.waiter.until_changed(
-            agent_channel(agent_id),
-            load,
-            lambda work: work.version != version,
-            min(wait, settings.work_poll_seconds),
-            interrupt=gone,
-        )
-    finally:
-        watcher.cancel()
+    with services.holds.hold(f"agent {agent_id}", "the work long-poll"):
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            work = await services.waiter.until_changed(
+                agent_channel(agent_id),
+                load,
+                lambda work: work.version != version,
+                min(wait, settings.work_poll_seconds),
+                interrupt=gone,
+            )
+        finally:
+            watcher.cancel()
     if gone.is_set():
         await run_in_threadpool(_reap_at_expiry, services, agent_id)
     return work  # (nobody reads it when the agent hung up)
@@ -222,6 +229,8 @@ def node_exit(
 async def ship_logs(
     agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, principal: AgentDep
 ) -> Response:
+    """Store a batch of output lines; a batch sent again (same `batch_id`, or the same bytes) is
+    answered 204 and stored once."""
     access.agent_acts_as(principal, agent_id)
     raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
@@ -242,6 +251,8 @@ async def ship_logs(
                 raise Conflict(f"allocation {allocation_id} has no node on agent {agent_id}")
             if not active:
                 raise Conflict(f"allocation {allocation_id} has ended; its logs are closed")
+            if not first_delivery(session, LogBatch, allocation_id, batch_identity(batch.batch_id, raw)):
+                return  # sent again after its answer was lost: stored already
             # Core executemany: logs arrive while training runs, and the ORM's unit of work
             # costs several times more CPU per row.
             session.execute(

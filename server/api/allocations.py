@@ -13,8 +13,8 @@ from server import access, attempts, checkpoints, views
 from server.api.deps import ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep
 from server.api.uploads import invalid_batch
 from server.errors import Conflict, NotFound
-from server.ingest import first_delivery, insert_metrics, record_progress
-from server.models import Allocation, TuningStudy, TuningTrial
+from server.ingest import batch_identity, first_delivery, insert_metrics, record_progress
+from server.models import Allocation, MetricBatch, TuningStudy, TuningTrial
 from server.task_names import ADVANCE_STUDY_TASK
 from server.wakeups import note_job_data, note_task
 
@@ -48,7 +48,7 @@ async def post_metrics(
             job_id, active, fenced, study_id = row
             if fenced or not active:
                 raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
-            if batch.batch_id is not None and not first_delivery(session, allocation_id, batch.batch_id):
+            if not first_delivery(session, MetricBatch, allocation_id, batch_identity(batch.batch_id, raw)):
                 return  # a retry of a batch whose answer was lost: stored already
             insert_metrics(session, job_id, allocation_id, batch.records)
             # last (a row lock until commit): progress for hang detection, and the latest values

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.auth import Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, Unauthorized
+from server.holds import HeldRequests
 from server.settings import Settings
 from server.wakeups import Enqueue, Waiter
 
@@ -29,6 +30,7 @@ class Services:
     enqueue: Enqueue
     templates: Jinja2Templates
     prometheus: CollectorRegistry
+    holds: HeldRequests  # streams and long-polls held open, capped
     token_cache: TokenCache = field(default_factory=TokenCache)
     # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
     study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
@@ -59,6 +61,15 @@ def get_session(request: Request) -> Iterator[Session]:
 
 def get_waiter(request: Request) -> Waiter:
     return get_services(request).waiter
+
+
+def get_holds(request: Request) -> HeldRequests:
+    return get_services(request).holds
+
+
+def holder(principal: Principal) -> str:
+    """Who holds a stream or a user's long-poll, as the cap counts (and names) them."""
+    return f"user {principal.name}" if principal.kind == "user" else f"{principal.kind} token {principal.token_id}"
 
 
 def get_principal(request: Request) -> Principal:
@@ -122,6 +133,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 WaiterDep = Annotated[Waiter, Depends(get_waiter)]
+HoldsDep = Annotated[HeldRequests, Depends(get_holds)]
 UserDep = Annotated[Principal, Depends(require_user)]
 AdminDep = Annotated[Principal, Depends(require_admin)]
 AgentDep = Annotated[Principal, Depends(require_agent)]

@@ -16,6 +16,7 @@ from server.api.deps import (
     MAX_BIG_ID,
     MAX_ROW_ID,
     AgentDep,
+    HoldsDep,
     RowId,
     SessionDep,
     SessionsDep,
@@ -23,6 +24,7 @@ from server.api.deps import (
     Step,
     UserDep,
     WaiterDep,
+    holder,
 )
 from server.api.uploads import parse_spec
 from server.auth import Principal
@@ -31,6 +33,7 @@ from server.models import Job, LogLine, Metric
 from server.wakeups import job_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
+MAX_METRIC_POINTS = 100_000  # a page: ~10 MB of JSON
 
 
 @router.post("", status_code=201, response_model=schemas.JobView)
@@ -73,14 +76,19 @@ async def show_job(
     sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
+    holds: HoldsDep,
     user: UserDep,
     state: Annotated[
         schemas.JobState | None, Query(description="With `wait`: answer once the job is no longer in this state")
     ] = None,
-    wait: Annotated[float, Query(ge=0, le=300, description="Seconds to hold the request (long-poll)")] = 0.0,
+    wait: Annotated[
+        float,
+        Query(ge=0, le=300, description="Seconds to hold the request (long-poll; the server caps it)"),
+    ] = 0.0,
 ) -> schemas.JobDetail:
     """The job with its attempts and latest metrics; with `state` and `wait`, hangs until its state
-    differs from `state` (or `wait` passes), so watchers need not poll."""
+    differs from `state` (or `wait` passes), so watchers need not poll. A user holds a few such
+    requests at once (429 past the cap, `server/holds.py`)."""
 
     def load() -> schemas.JobDetail:
         with sessions() as session:
@@ -88,9 +96,10 @@ async def show_job(
 
     if state is None or wait <= 0:
         return await run_in_threadpool(load)
-    return await waiter.until_changed(
-        job_channel(job_id), load, lambda detail: detail.state is not state, min(wait, settings.work_poll_seconds)
-    )
+    with holds.hold(holder(user), f"the long-poll on job {job_id}"):
+        return await waiter.until_changed(
+            job_channel(job_id), load, lambda detail: detail.state is not state, min(wait, settings.work_poll_seconds)
+        )
 
 
 @router.post("/{job_id}/kill", response_model=schemas.JobView)
@@ -120,21 +129,25 @@ def job_metrics(
     job_id: RowId,
     session: SessionDep,
     user: UserDep,
-    name: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+    name: Annotated[str | None, Query(max_length=128)] = None,
+    after: Annotated[int, Query(ge=0, le=MAX_BIG_ID, description="Only points with an id above this")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_METRIC_POINTS)] = MAX_METRIC_POINTS,
     all_attempts: Annotated[
         bool, Query(description="Include the points of failed attempts that a resumed attempt re-did")
     ] = False,
 ) -> list[schemas.MetricPoint]:
+    """The job's points in the order they were stored, a page of `limit` at most: the next page
+    starts `after` the last point's id."""
     with session.begin():
         access.job_for(session, user, job_id)
-        query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.id).limit(limit)
+        query = select(Metric).where(Metric.job_id == job_id, Metric.id > after).order_by(Metric.id).limit(limit)
         if not all_attempts:
             query = query.where(Metric.superseded.is_(False))
         if name is not None:
             query = query.where(Metric.name == name)
         return [
             schemas.MetricPoint(
+                id=m.id,
                 allocation_id=m.allocation_id,
                 rank=m.rank,
                 step=m.step,

@@ -10,7 +10,17 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, commands, views
-from server.api.deps import RowId, SessionDep, SessionsDep, SettingsDep, UserDep, WaiterDep
+from server.api.deps import (
+    MAX_ROW_ID,
+    HoldsDep,
+    RowId,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    UserDep,
+    WaiterDep,
+    holder,
+)
 from server.api.uploads import parse_spec
 from server.auth import Principal
 from server.errors import Conflict, Unprocessable
@@ -39,8 +49,9 @@ def list_studies(
     user: UserDep,
     state: schemas.StudyState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=MAX_ROW_ID)] = 0,
 ) -> list[schemas.Study]:
-    query = access.visible_studies(user).order_by(TuningStudy.id.desc()).limit(limit)
+    query = access.visible_studies(user).order_by(TuningStudy.id.desc()).limit(limit).offset(offset)
     if state is not None:
         query = query.where(TuningStudy.state == state.value)
     with session.begin():
@@ -58,8 +69,11 @@ async def show_study(
     sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
+    holds: HoldsDep,
     user: UserDep,
-    version: Annotated[str | None, Query(description="With `wait`: answer once the study differs from it")] = None,
+    version: Annotated[
+        str | None, Query(max_length=64, description="With `wait`: answer once the study differs from it")
+    ] = None,
     wait: Annotated[float, Query(ge=0, le=300, description="Seconds to hold the request (long-poll)")] = 0.0,
 ) -> schemas.StudyDetail:
     """The study with every trial; with `version` and `wait`, hangs until a trial or the study
@@ -71,9 +85,13 @@ async def show_study(
 
     if version is None or wait <= 0:
         return await run_in_threadpool(load)
-    return await waiter.until_changed(
-        study_channel(study_id), load, lambda detail: detail.version != version, min(wait, settings.work_poll_seconds)
-    )
+    with holds.hold(holder(user), f"the long-poll on study {study_id}"):
+        return await waiter.until_changed(
+            study_channel(study_id),
+            load,
+            lambda detail: detail.version != version,
+            min(wait, settings.work_poll_seconds),
+        )
 
 
 @router.post("/{study_id}/stop", response_model=schemas.Study)
@@ -118,7 +136,8 @@ def param_importances(
     user: UserDep,
     method: Annotated[str, Query(description="ped_anova (default) or fanova")] = "ped_anova",
 ) -> schemas.ParamImportances:
-    """Each parameter's share of the objective's variation (Optuna's importance evaluators)."""
+    """Each parameter's share of the objective's variation (Optuna's importance evaluators), from
+    the newest PHALANX_MAX_IMPORTANCE_TRIALS COMPLETE trials (the note says when there were more)."""
     from server import tuning
 
     if method not in tuning.IMPORTANCE_METHODS:
@@ -132,8 +151,10 @@ def param_importances(
             study_id=study_id, method=method, importances={}, note=f"needs 2 COMPLETE trials; {complete} so far"
         )
     study = tuning.load(settings.database_url, detail.optuna_study_name, detail.spec)
+    limit = settings.max_importance_trials
     try:
-        values = tuning.importances(study, method)
+        values = tuning.importances(study, method, limit)
     except (ValueError, RuntimeError) as exc:
         return schemas.ParamImportances(study_id=study_id, method=method, importances={}, note=str(exc))
-    return schemas.ParamImportances(study_id=study_id, method=method, importances=values)
+    note = f"from the newest {limit:,} of {complete:,} COMPLETE trials" if complete > limit else None
+    return schemas.ParamImportances(study_id=study_id, method=method, importances=values, note=note)

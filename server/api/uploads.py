@@ -17,17 +17,26 @@ class InvalidSpec(Unprocessable):
     (each field's path as a tuple), for a caller that points at the field in the user's file."""
 
     def __init__(self, what: str, exc: ValidationError) -> None:
-        self.errors = exc.errors()
-        problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in self.errors]
+        self.errors = exc.errors(include_input=False, include_url=False)[:MAX_PROBLEMS]
+        problems = [{"field": _field(e["loc"]), "problem": e["msg"]} for e in self.errors]
         summary = "; ".join(f"{p['field'] or 'spec'}: {p['problem']}" for p in problems)
         super().__init__(f"invalid {what}: {summary}", problems)
+
+
+MAX_PROBLEMS = 20
+MAX_NAME_IN_FIELD = 64  # a key is part of a field's path: a hostile one is not echoed in full
+
+
+def _field(loc: tuple[int | str, ...]) -> str:
+    parts = (str(part) for part in loc)
+    return ".".join(part if len(part) <= MAX_NAME_IN_FIELD else part[:MAX_NAME_IN_FIELD] + "…" for part in parts)
 
 
 def invalid_batch(what: str, exc: ValidationError) -> Unprocessable:
     """422 naming the first problems of a batch, where they are (`records.3.values.loss`) and
     without echoing the values (a NaN cannot even be written back as JSON)."""
     errors = exc.errors(include_input=False, include_context=False, include_url=False)[:10]
-    problems = [{"field": ".".join(map(str, e["loc"])), "problem": e["msg"]} for e in errors]
+    problems = [{"field": _field(e["loc"]), "problem": e["msg"]} for e in errors]
     summary = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:3])
     return Unprocessable(f"invalid {what}: {summary}", problems)
 

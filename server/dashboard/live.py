@@ -12,7 +12,8 @@ Streams (all need a signed-in session and see only what their user may see):
 
 A wake-up starts a read at most every `MIN_INTERVAL` seconds: several batches that land together
 cost one read and one event. Where neither Redis nor inotify is there, streams re-read every
-`FALLBACK_INTERVAL` seconds instead.
+`FALLBACK_INTERVAL` seconds instead. Each stream counts against its user's cap of held requests
+(`server/holds.py`): past it, 429 with Retry-After (the page's EventSource tries again later).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, views
-from server.api.deps import MAX_BIG_ID, RowId, get_sessions, get_waiter
+from server.api.deps import MAX_BIG_ID, RowId, get_holds, get_sessions, get_waiter, holder
 from server.auth import Principal
 from server.dashboard.job_pages import jobs_version
 from server.dashboard.metric_series import points_after
 from server.dashboard.render import SignedIn
+from server.holds import HeldEventSource
 from server.models import Checkpoint, Job, JobEvent, LogLine
 from server.transitions import COMMITTED
 from server.wakeups import JOBS_CHANNEL, Waiter, job_channel, job_data_channel, study_channel
@@ -84,10 +86,19 @@ def _sessions(request: Request) -> Callable[[], Session]:
     return get_sessions(request)
 
 
-def _stream(generator: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
-    # no-transform / X-Accel-Buffering: proxies must pass each event on at once
-    headers = {"Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "no"}
-    return EventSourceResponse(generator, ping=PING_SECONDS, headers=headers)
+def _stream(
+    request: Request, user: Principal, what: str, generator: AsyncIterator[ServerSentEvent]
+) -> EventSourceResponse:
+    """The stream, holding one of the user's slots until it ends (429 now when none is free)."""
+    holds, name = get_holds(request), holder(user)
+    holds.acquire(name, what)
+    try:
+        # no-transform / X-Accel-Buffering: proxies must pass each event on at once
+        headers = {"Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "no"}
+        return HeldEventSource(generator, holds, name, ping=PING_SECONDS, headers=headers)
+    except BaseException:
+        holds.release(name)
+        raise
 
 
 @dataclass
@@ -158,7 +169,7 @@ async def job_events(
                     return
                 await _woken(waiter, event, last_read)
 
-    return _stream(stream())
+    return _stream(request, user, f"the live stream of job {job_id}", stream())
 
 
 def _check_visible_job(sessions: Callable[[], Session], user: Principal, job_id: int) -> None:
@@ -168,7 +179,7 @@ def _check_visible_job(sessions: Callable[[], Session], user: Principal, job_id:
 
 @router.get("/events/jobs", response_model=None)
 async def jobs_events(
-    request: Request, _: SignedIn, since: Annotated[str, Query(max_length=40)] = ""
+    request: Request, user: SignedIn, since: Annotated[str, Query(max_length=40)] = ""
 ) -> EventSourceResponse:
     """`changed` when any job changes state; the pages re-fetch what their user may see.
     `since`: the `jobs_version` the page was rendered at."""
@@ -178,7 +189,7 @@ async def jobs_events(
         with sessions() as session, session.begin():
             return jobs_version(session)
 
-    return _stream(_changes(request, (JOBS_CHANNEL,), version, since))
+    return _stream(request, user, "the live stream of the jobs", _changes(request, (JOBS_CHANNEL,), version, since))
 
 
 @router.get("/studies/{study_id}/events", response_model=None)
@@ -193,4 +204,9 @@ async def study_events(
             return views.study_detail(session, access.study_for(session, user, study_id)).version
 
     await run_in_threadpool(version)  # 404 before the stream starts
-    return _stream(_changes(request, (study_channel(study_id),), version, since))
+    return _stream(
+        request,
+        user,
+        f"the live stream of study {study_id}",
+        _changes(request, (study_channel(study_id),), version, since),
+    )

@@ -8,11 +8,14 @@ Long series are downsampled with LTTB (largest triangle three buckets, via tsdow
 compiled implementation): it keeps the points that shape the line, peaks and dips included, so
 a 100,000-step chart of 2,000 points looks like the full one. Live updates after the first load
 send every new point (see `live.py`); the cursor is the highest metric id the load saw.
+
+A NaN or infinite value is sent as its wire string ("NaN", "Infinity", "-Infinity"): the chart
+breaks its line there and names the value on hover. Downsampling keeps where each run of them
+starts, so a long series still shows where it went bad.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +24,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from tsdownsample import LTTBDownsampler
 
+from phalanx import _wire
 from server.models import Allocation, Metric
 
 MAX_POINTS = 2000  # per series: about the pixel width of a wide chart
@@ -31,7 +35,7 @@ class Series:
     name: str
     rank: int
     steps: list[int]
-    values: list[float | None]  # None for NaN and infinities (JSON has neither)
+    values: list[float | str]  # NaN and infinities as "NaN", "Infinity", "-Infinity"
     total: int  # points before downsampling
 
     def as_json(self) -> dict[str, Any]:
@@ -42,7 +46,7 @@ class Series:
 class NewPoints:
     """Points stored after a cursor, grouped by metric and rank: {name: {rank: [[step, value], ...]}}."""
 
-    points: dict[str, dict[int, list[tuple[int, float | None]]]] = field(default_factory=dict)
+    points: dict[str, dict[int, list[tuple[int, float | str]]]] = field(default_factory=dict)
     cursor: int = 0
     more: bool = False  # the limit cut the read short: read again from `cursor` at once
 
@@ -59,8 +63,8 @@ def lttb_indices(steps: np.ndarray, values: np.ndarray, n_out: int) -> np.ndarra
     return indices
 
 
-def _finite_or_none(values: np.ndarray) -> list[float | None]:
-    return [v if math.isfinite(v) else None for v in values.tolist()]
+def _wire_values(values: np.ndarray) -> list[float | str]:
+    return [_wire.encode(v) for v in values.tolist()]
 
 
 def load_series(session: Session, job_id: int, max_points: int = MAX_POINTS) -> tuple[list[Series], int]:
@@ -135,11 +139,17 @@ def _series(name: str, rank: int, steps: np.ndarray, values: np.ndarray, max_poi
     total = len(steps)
     if total > max_points:
         finite = np.isfinite(values)
-        if not finite.all():  # LTTB needs numbers: downsample what is finite, show the rest as gaps
-            steps, values = steps[finite], values[finite]
-        keep = lttb_indices(steps, values, max_points)
+        if finite.all():
+            keep = lttb_indices(steps, values, max_points)
+        else:
+            # LTTB needs numbers: it downsamples the finite points; of the others the first of
+            # each run is kept (where the line breaks), up to a quarter of the points
+            starts = np.flatnonzero(~finite & np.concatenate(([True], finite[:-1])))[: max_points // 4]
+            finite_at = np.flatnonzero(finite)
+            kept = finite_at[lttb_indices(steps[finite_at], values[finite_at], max_points - len(starts))]
+            keep = np.union1d(kept, starts)
         steps, values = steps[keep], values[keep]
-    return Series(name, rank, steps.tolist(), _finite_or_none(values), total)
+    return Series(name, rank, steps.tolist(), _wire_values(values), total)
 
 
 def points_after(session: Session, job_id: int, cursor: int, limit: int = 20_000) -> NewPoints:
@@ -153,7 +163,7 @@ def points_after(session: Session, job_id: int, cursor: int, limit: int = 20_000
     ).all()
     new = NewPoints(cursor=cursor)
     for metric_id, name, rank, step, value in rows:
-        new.points.setdefault(name, {}).setdefault(rank, []).append((step, value if math.isfinite(value) else None))
+        new.points.setdefault(name, {}).setdefault(rank, []).append((step, _wire.encode(value)))
         new.cursor = metric_id
     new.more = len(rows) == limit
     return new

@@ -254,10 +254,11 @@ _importance_lock = threading.Lock()
 
 
 def importance_bars(
-    study: schemas.StudyDetail, optuna_study: optuna.Study | None
+    study: schemas.StudyDetail, optuna_study: optuna.Study | None, max_trials: int
 ) -> tuple[list[Importance], str | None]:
-    """The parameters by importance (Optuna's evaluator, as `GET /studies/{id}/importance`), or why
-    there are none. Remembered per set of COMPLETE trials: only they change the answer."""
+    """The parameters by importance (Optuna's evaluator, as `GET /studies/{id}/importance`, from
+    the newest `max_trials` COMPLETE trials), or why there are none. Remembered per set of
+    COMPLETE trials: only they change the answer."""
     if study.spec.multi_objective:
         return [], "Parameter importance is computed for single-objective studies only."
     complete = [(t.number, t.values) for t in study.trials if t.state is schemas.TrialState.COMPLETE]
@@ -273,7 +274,7 @@ def importance_bars(
     from server import tuning
 
     try:
-        values = tuning.importances(optuna_study, IMPORTANCE_METHOD)
+        values = tuning.importances(optuna_study, IMPORTANCE_METHOD, max_trials)
     except Exception as exc:  # Optuna's evaluators fail in many ways on odd studies; the page stays up
         log.warning("study %s: parameter importance failed", study.id, exc_info=True)
         return [], f"Parameter importance could not be computed ({type(exc).__name__}: {exc})."

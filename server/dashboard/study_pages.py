@@ -90,7 +90,7 @@ def study_page(
     # Optuna reads in its own transactions, after ours; a multi-objective study has neither
     # intermediate values (Optuna prunes on one objective) nor importances
     optuna_study = None if study.spec.multi_objective else load_optuna(settings.database_url, study)
-    importances, importance_note = importance_bars(study, optuna_study)
+    importances, importance_note = importance_bars(study, optuna_study, settings.max_importance_trials)
     params = list(study.spec.search_space)
     key = sort if sort in TRIAL_SORTS or sort.removeprefix("param:") in params else "number"
     return render(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import tarfile
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from sqlalchemy import func, select, text, update
 
 from scheduler.service import reap_pass, schedule_pass
 from server.app import create_app
-from server.db import SchemaOutOfDate, engine_for, session_scope
+from server.db import SchemaOutOfDate, engine_for, session_scope, upgrade
 from server.models import Agent, ControlPlane, Job, Metric
 from server.settings import Settings
 from tests.agent_tokens import CLUSTER_AGENT, as_agent, as_rank, register_agent
@@ -376,3 +377,74 @@ def test_server_refuses_an_unmigrated_database(tmp_path: Any) -> None:
         engine_for(url).dispose()
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- NaN and infinities: stored and shown ------------------------------------------------------
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def any_store(
+    request: pytest.FixtureRequest, settings: Settings, tmp_path: Any
+) -> Iterator[tuple[TestClient, Settings]]:
+    """The app on PostgreSQL, and on the embedded SQLite (which stores a bound NaN as NULL)."""
+    if request.param == "sqlite":
+        settings = Settings(data_dir=tmp_path / "embedded", admin_token=ADMIN_TOKEN, agent_token=AGENT_TOKEN)
+        upgrade(settings.database_url)
+    with TestClient(create_app(settings, enqueue=lambda *_, **__: None)) as test_client:
+        yield test_client, settings
+    if request.param == "sqlite":
+        engine_for(settings.database_url).dispose()
+
+
+def test_nan_and_infinities_are_stored_and_shown_on_every_surface(any_store: tuple[TestClient, Settings]) -> None:
+    client, settings = any_store
+    register(client, "n1")
+    job_id = submit(client, spec(resources={"nodes": 1})).json()["id"]
+    schedule(settings)
+    alloc_id = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"][0]["id"]
+    # the documented strings, and the NaN/Infinity tokens Python's json module writes
+    raw = (
+        '{"records": [{"rank": 0, "step": 1, "time": 1.0, "values": {"loss": NaN, "acc": 0.5, "up": Infinity}},'
+        ' {"rank": 0, "step": 2, "time": 1.0, "values": {"loss": "NaN", "up": "Infinity", "down": "-Infinity"}}]}'
+    )
+    posted = client.post(
+        f"/api/v1/allocations/{alloc_id}/metrics", content=raw, headers={**AGENT, "Content-Type": "application/json"}
+    )
+    assert posted.status_code == 204, posted.text
+
+    points = client.get(f"/api/v1/jobs/{job_id}/metrics", headers=USER)
+    assert {(p["name"], p["step"]): p["value"] for p in points.json()} == {
+        ("loss", 1): "NaN",
+        ("acc", 1): 0.5,
+        ("up", 1): "Infinity",
+        ("loss", 2): "NaN",
+        ("up", 2): "Infinity",
+        ("down", 2): "-Infinity",
+    }
+    latest = {"loss": "NaN", "acc": 0.5, "up": "Infinity", "down": "-Infinity"}
+    detail = client.get(f"/api/v1/jobs/{job_id}", headers=USER)
+    assert detail.json()["latest_metrics"] == latest
+    assert client.get("/api/v1/jobs", headers=USER).json()[0]["latest_metrics"] == latest
+
+    # the SDK reads them back as floats, and the CLI prints them
+    from phalanx.cli.output import fmt_metrics
+    from phalanx.schemas import JobDetail, MetricPoint
+
+    job = JobDetail.model_validate_json(detail.content)
+    assert math.isnan(job.latest_metrics["loss"]) and job.latest_metrics["down"] == -math.inf
+    assert fmt_metrics(job.latest_metrics) == "acc=0.5  down=-inf  loss=nan  up=inf"
+    assert math.isnan(MetricPoint.model_validate(points.json()[0]).value)
+
+    # a checkpoint's metrics keep them too
+    body = {"step": 2, "path": f"{settings.checkpoint_uri}/job-{job_id}/step-2", "size_bytes": 1}
+    body["metrics"] = {"loss": "NaN", "up": "Infinity"}
+    committed = client.post(f"/api/v1/allocations/{alloc_id}/checkpoints", json=body, headers=AGENT)
+    assert committed.status_code == 201, committed.text
+    assert client.get(f"/api/v1/jobs/{job_id}/checkpoints", headers=USER).json()[0]["metrics"] == body["metrics"]
+
+    # the dashboard: the chart series carry the strings (the chart breaks its line there)
+    client.cookies.update({"phalanx_session": ADMIN_TOKEN})
+    series = {s["name"]: s for s in client.get(f"/jobs/{job_id}/chart-data").json()["series"]}
+    assert series["loss"]["values"] == ["NaN", "NaN"] and series["down"]["values"] == ["-Infinity"]
+    page = client.get(f"/jobs/{job_id}")
+    assert page.status_code == 200 and "loss=nan" in page.text and "up=inf" in page.text

@@ -72,6 +72,30 @@ def test_chart_data_charts_rank_zero_downsamples_and_keeps_the_shape(client: Tes
     assert client.get("/jobs/999/chart-data").status_code == 404
 
 
+def test_nan_and_infinities_reach_the_charts_as_breaks_even_downsampled(client: TestClient, settings: Settings) -> None:
+    job_id, allocation_id = running_job(client, settings)
+
+    def loss(step: int) -> Any:
+        if 1000 <= step < 1200:
+            return "NaN"  # a run of NaN: the chart must still show where it starts
+        return "Infinity" if step == 3000 else math.cos(step / 100)
+
+    post_metrics(client, allocation_id, records(0, range(5000), loss=loss))
+    client.cookies.update(COOKIE)
+    (series,) = client.get(f"/jobs/{job_id}/chart-data?points=500").json()["series"]
+    assert series["total"] == 5000 and len(series["steps"]) <= 500
+    marked = {
+        step: value for step, value in zip(series["steps"], series["values"], strict=True) if isinstance(value, str)
+    }
+    assert marked == {1000: "NaN", 3000: "Infinity"}
+    from server.dashboard.metric_series import points_after
+    from server.db import session_scope
+
+    with session_scope(settings.database_url) as session:
+        new = points_after(session, job_id, 1000, limit=2)
+    assert new.as_json()["points"] == {"loss": {"0": [(1000, "NaN"), (1001, "NaN")]}}
+
+
 def test_points_after_says_when_its_limit_cut_the_read_short(client: TestClient, settings: Settings) -> None:
     from server.dashboard.metric_series import points_after
     from server.db import session_scope

@@ -343,3 +343,73 @@ def test_a_multi_objective_study_has_a_pareto_front(client: TestClient, settings
     best = client.get(f"/api/v1/studies/{study['id']}/best", headers=USER).json()
     assert [t["number"] for t in best["trials"]] == [0, 1, 3] and best["directions"] == ["maximize", "minimize"]
     assert client.get(f"/api/v1/studies/{study['id']}/importance", headers=USER).status_code == 422
+
+
+def test_a_nan_objective_fails_its_trial_or_gets_it_pruned_and_infinity_completes(
+    client: TestClient, settings: Settings
+) -> None:
+    pruner = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}
+    study = create(client, study_body(pruner=pruner, n_trials=3, parallelism=1)).json()
+    driver(settings).advance(study["id"])
+    (first,) = trials(client, study["id"])
+    allocation, agent = start_trial(client, settings, first["job_id"])
+    report(client, allocation, {0: {"loss": "NaN"}})  # type: ignore[dict-item]
+    driver(settings).advance(study["id"])  # an intermediate NaN is reported (nothing to compare it with yet)
+    report(client, allocation, {1: {"loss": "NaN"}})  # type: ignore[dict-item]
+    finish(client, allocation, agent)
+    driver(settings).advance(study["id"])  # Optuna completes no trial on NaN: it fails, and trial 1 starts
+    failed = trials(client, study["id"])[0]
+    assert failed["state"] == "FAIL" and failed["reason"] == "its job's last loss was NaN"
+
+    second = trials(client, study["id"])[1]
+    allocation, agent = start_trial(client, settings, second["job_id"])
+    report(client, allocation, {0: {"loss": "Infinity"}})  # type: ignore[dict-item]
+    finish(client, allocation, agent)
+    driver(settings).advance(study["id"])
+    third = trials(client, study["id"])[2]
+    allocation, agent = start_trial(client, settings, third["job_id"])
+    report(client, allocation, {0: {"loss": "NaN"}})  # type: ignore[dict-item]
+    driver(settings).advance(study["id"])  # the median pruner prunes a trial gone NaN
+    assert client.get(f"/api/v1/jobs/{third['job_id']}", headers=USER).json()["state"] == "PRUNED"
+    finish(client, allocation, agent, exit_code=143)
+    driver(settings).advance(study["id"])
+
+    final = client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()
+    assert final["state"] == "COMPLETED" and final["best_trial"] == 1 and final["best_values"] == ["Infinity"]
+    assert [(t["state"], t["values"]) for t in final["trials"]] == [
+        ("FAIL", None),
+        ("COMPLETE", ["Infinity"]),
+        ("PRUNED", None),  # Optuna keeps no NaN as a pruned trial's value
+    ]
+    assert final["trials"][2]["reason"] == "pruned by the median pruner at step 0 (loss nan)"
+    client.cookies.update({"phalanx_session": ADMIN_TOKEN})
+    assert client.get(f"/studies/{study['id']}").status_code == 200  # its charts leave the NaN out
+
+
+def test_a_grid_above_the_servers_limit_is_refused_naming_its_size(client: TestClient, settings: Settings) -> None:
+    space = {"a": {"type": "int", "low": 1, "high": 200}, "b": {"type": "categorical", "choices": list(range(60))}}
+    response = create(client, study_body(sampler="grid", search_space=space))
+    body = response.json()
+    assert response.status_code == 422, body
+    assert (
+        "sampler: grid: the search space has 12,000 combinations, above this server's limit of 10,000" in body["error"]
+    )
+    assert "PHALANX_MAX_GRID_COMBINATIONS" in body["error"] and body["detail"][0]["field"] == "sampler"
+    assert count(settings, TuningStudy) == 0 and optuna_study_count(settings) == 0
+
+
+def test_importance_uses_the_newest_trials_up_to_its_limit(client: TestClient, settings: Settings) -> None:
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}, "y": {"type": "float", "low": 0.0, "high": 1.0}}
+    study = create(client, study_body(search_space=space, n_trials=4, parallelism=4)).json()
+    driver(settings).advance(study["id"])
+    for trial in trials(client, study["id"]):
+        allocation, agent = start_trial(client, settings, trial["job_id"])
+        report(client, allocation, {0: {"loss": trial["params"]["x"]}})
+        finish(client, allocation, agent)
+    driver(settings).advance(study["id"])
+    url = f"/api/v1/studies/{study['id']}/importance"
+    everything = client.get(url, headers=USER).json()
+    assert set(everything["importances"]) == {"x", "y"} and everything["note"] is None
+    settings.max_importance_trials = 3  # the app holds this settings object
+    newest = client.get(url, headers=USER).json()
+    assert set(newest["importances"]) == {"x", "y"} and newest["note"] == "from the newest 3 of 4 COMPLETE trials"

@@ -1,13 +1,17 @@
-"""Checkpoint storage is confined to the roots a cluster allows, compared after normalisation."""
+"""Checkpoint storage is confined to the roots a cluster allows, compared after normalisation; retention
+ranks by finite values only."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
-from server.checkpoints import check_storage, normalised, within
+from phalanx.schemas import CheckpointPolicy
+from server.checkpoints import check_storage, normalised, to_keep, within
 from server.errors import Unprocessable
+from server.models import Checkpoint
 from server.settings import Settings
 
 
@@ -48,3 +52,13 @@ def test_only_the_allowed_roots_and_their_sub_paths(tmp_path: Path) -> None:
     ):
         with pytest.raises(Unprocessable, match=r"checkpoint\.storage: .* is outside the checkpoint roots"):
             check_storage(refused, settings)
+
+
+@pytest.mark.parametrize(("mode", "best"), [("min", 2), ("max", 3)])
+def test_retention_never_ranks_a_nan_or_infinite_metric_best(mode: str, best: int) -> None:
+    def row(step: int, loss: float) -> Checkpoint:
+        return Checkpoint(id=step, step=step, metrics={"loss": loss})
+
+    rows = [row(1, math.nan), row(2, 0.5), row(3, 0.9), row(4, -math.inf), row(5, math.inf), row(6, 0.7)]
+    policy = CheckpointPolicy(keep_last=1, keep_best=1, metric="loss", mode=mode)  # type: ignore[arg-type]
+    assert to_keep(rows, policy) == {6, best}

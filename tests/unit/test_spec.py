@@ -54,6 +54,43 @@ def test_invalid_specs_name_the_field(patch: dict[str, object], field: str) -> N
     assert field in locations
 
 
+@pytest.mark.parametrize(
+    ("patch", "problem"),
+    [
+        ({"env": {f"V{i}": "x" for i in range(257)}}, "at most 256 items"),
+        ({"env": {"V" * 129: "x"}}, "at most 128 characters"),
+        ({"env": {"V": "x" * 16_385}}, "at most 16384 characters"),
+        ({"env": {f"V{i}": "x" * 16_000 for i in range(5)}}, "above the limit of 65,536"),
+        ({"hyperparameters": {f"h{i}": 1 for i in range(257)}}, "at most 256 items"),
+        ({"hyperparameters": {"h" * 129: 1}}, "at most 128 characters"),
+        ({"hyperparameters": {"lr": float("nan")}}, "lr: NaN and Infinity are not allowed"),
+        ({"hyperparameters": {"grid": [1.0, float("inf")]}}, "grid: NaN and Infinity are not allowed"),
+        ({"hyperparameters": {"text": "x" * 16_400}}, "above the limit of 16,384"),
+        ({"hyperparameters": {f"h{i}": "x" * 16_000 for i in range(5)}}, "PHALANX_HPARAMS), above the limit of 65,536"),
+        ({"workdir": "w" * 4097}, "at most 4096 characters"),
+        ({"checkpoint": {"keep_last": 1001}}, "less than or equal to 1000"),
+        ({"checkpoint": {"keep_best": 1, "metric": "m" * 129}}, "at most 128 characters"),
+        ({"checkpoint": {"storage": "file:///" + "s" * 4096}}, "at most 4096 characters"),
+        ({"hang_timeout": float("inf")}, "finite number"),
+    ],
+)
+def test_every_string_count_and_number_is_bounded(patch: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"name": "ok", "entrypoint": "python x.py", **patch})
+    assert problem in str(info.value)
+
+
+def test_a_spec_at_its_bounds_validates() -> None:
+    JobSpec.model_validate(
+        {
+            "name": "ok",
+            "entrypoint": "python x.py",
+            "env": {f"V{i}": "x" * 250 for i in range(256)},
+            "hyperparameters": {f"h{i}": "x" * 240 for i in range(256)},
+        }
+    )
+
+
 def test_job_file_errors(tmp_path: Path) -> None:
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("name: [unclosed\n")

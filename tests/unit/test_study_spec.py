@@ -107,6 +107,50 @@ def test_each_mistake_names_its_field(overrides: dict[str, Any], named: str) -> 
     assert named in problem(study(**overrides))
 
 
+WIDE = {"type": "int", "low": 0, "high": 10**15}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        # counted, never made: these grids would not fit in any memory
+        (
+            {"sampler": "grid", "search_space": {"a": WIDE, "b": WIDE}},
+            "about 10^30 combinations, above the limit of 1,000,000",
+        ),
+        (
+            {"sampler": "grid", "search_space": {"a": {"type": "float", "low": 0, "high": 1e6, "step": 1e-6}}},
+            "above the limit of 1,000,000",
+        ),
+        ({"search_space": {"a": {"type": "float", "low": -1e308, "high": 1e308}}}, "past the largest float"),
+        ({"search_space": {"a": {"type": "float", "low": float("nan"), "high": 1.0}}}, "finite number"),
+        ({"search_space": {"a": {"type": "int", "low": 0, "high": 2**60}}}, "less than or equal to 9007199254740992"),
+        (
+            {"search_space": {f"p{i}": WIDE for i in range(101)}},
+            "search_space: Dictionary should have at most 100 items",
+        ),
+        ({"search_space": {"p" * 129: WIDE}}, "at most 128 characters"),
+        ({"search_space": {"c": {"type": "categorical", "choices": list(range(1001))}}}, "at most 1000 items"),
+        ({"search_space": {"c": {"type": "categorical", "choices": ["x" * 257]}}}, "at most 256 characters"),
+        ({"sampler": {"type": "random", "seed": -1}}, "sampler.random.seed"),
+        ({"sampler": {"type": "random", "seed": 2**32}}, "less than or equal to 4294967295"),
+        ({"pruner": {"type": "successive_halving", "min_early_stopping_rate": 10**9}}, "less than or equal to 64"),
+        ({"objective": [{"metric": f"m{i}"} for i in range(17)]}, "at most 16 items"),
+        ({"timeout": float("inf")}, "timeout: Input should be a finite number"),
+        ({"target_value": float("nan")}, "target_value: Input should be a finite number"),
+        (
+            {
+                "search_space": {f"p{i}": {"type": "categorical", "choices": ["x" * 250]} for i in range(100)},
+                "trial": {"entrypoint": "python t.py", "hyperparameters": {f"h{i}": "y" * 16_000 for i in range(3)}},
+            },
+            "a trial's hyperparameters could take",
+        ),
+    ],
+)
+def test_every_bound_of_a_study_names_its_field_and_limit(overrides: dict[str, Any], named: str) -> None:
+    assert named in problem(study(**overrides))
+
+
 def test_a_trial_job_is_the_template_with_the_sampled_parameters() -> None:
     spec = StudySpec.model_validate(
         study(name="tune", trial={"entrypoint": "python t.py", "hyperparameters": {"lr": 0.1, "epochs": 3}})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -141,17 +142,17 @@ def test_single_process_context_outside_phalanx(monkeypatch: pytest.MonkeyPatch)
     assert not ctx.should_stop()
 
     ctx.report({"loss": torch.tensor(0.25, requires_grad=True) * 2, "acc": 1})
-    ctx.report({"loss": 0.5, "bad": float("nan"), "name": "text"}, step=10)
+    ctx.report({"loss": 0.5, "diverged": float("inf"), "name": "text"}, step=10)
     ctx.report({"loss": torch.tensor(0.125)})  # step defaults to the previous one + 1
     assert ctx.flush(timeout=5)
     assert [(r["step"], r["values"]) for r in ctx.metrics] == [
         (0, {"loss": 0.5, "acc": 1.0}),
-        (10, {"loss": 0.5}),
+        (10, {"loss": 0.5, "diverged": float("inf")}),  # kept: a diverged value is worth seeing
         (11, {"loss": 0.125}),
     ]
     assert all(r["rank"] == 0 and abs(r["time"] - time.time()) < 60 for r in ctx.metrics)
     stats = ctx.metric_stats()
-    assert (stats.dropped_nonfinite, stats.dropped_invalid, stats.sent) == (1, 1, 0)
+    assert (stats.nonfinite, stats.dropped_invalid, stats.sent) == (1, 1, 0)
 
     ctx.finish()
     with pytest.raises(RuntimeError, match=r"after ctx\.finish"):
@@ -320,7 +321,8 @@ def test_sender_delivers_batches_to_the_server(monkeypatch: pytest.MonkeyPatch, 
     managed_env(monkeypatch, metrics_server.url)
     ctx = pt.init()
     for step in range(12_000):
-        ctx.report({"loss": torch.tensor(step / 1000), "acc": 0.5, "grad_norm": float("inf")}, step=step)
+        loss = torch.tensor(step / 1000) if step else torch.tensor(float("nan"))
+        ctx.report({"loss": loss, "acc": 0.5, "grad_norm": float("inf")}, step=step)
     assert ctx.flush(timeout=15)
     ctx.finish()
 
@@ -333,11 +335,13 @@ def test_sender_delivers_batches_to_the_server(monkeypatch: pytest.MonkeyPatch, 
         assert 0 < len(batch.records) <= 5_000
     records = metrics_server.delivered()
     assert sorted(r["step"] for r in records) == list(range(12_000))  # each exactly once
-    assert records[0]["values"] == {"loss": 0.0, "acc": 0.5}  # inf cannot travel as JSON
+    # JSON has no NaN or Infinity: they travel as the strings the server's schema documents
+    assert records[0]["values"] == {"loss": "NaN", "acc": 0.5, "grad_norm": "Infinity"}
+    assert math.isnan(MetricBatchIn.model_validate(requests[0]["body"]).records[0].values["loss"])
     assert records[-1]["values"]["loss"] == pytest.approx(11.999)
     assert {r["rank"] for r in records} == {0}
     stats = ctx.metric_stats()
-    assert (stats.sent, stats.pending, stats.dropped_nonfinite) == (12_000, 0, 12_000)
+    assert (stats.sent, stats.pending, stats.nonfinite) == (12_000, 0, 12_001)
     assert ctx.metrics == []  # sent, not kept
 
 

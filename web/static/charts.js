@@ -1,7 +1,8 @@
 // Line charts for the dashboard, on uPlot (vendored). One chart per metric: x = step, hover shows
 // the values (uPlot's legend), drag to zoom, double-click to zoom out. Optional smoothing is the
 // debiased exponential moving average that TensorBoard and W&B use; the raw series stays visible,
-// faint, behind it.
+// faint, behind it. A NaN or an infinity arrives as the string "NaN", "Infinity" or "-Infinity" (as
+// every Phalanx answer writes them): the line breaks there, and hovering the break names the value.
 (function () {
   "use strict";
 
@@ -34,12 +35,20 @@
 
   function formatValue(v) {
     if (v == null) return "–";
+    if (typeof v === "string") return v; // "NaN", "Infinity", "-Infinity"
     const a = Math.abs(v);
     return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(3) : +v.toPrecision(5) + "";
   }
 
+  // What uPlot draws for a value: null (a break in the line) for NaN and the infinities, undefined
+  // (bridged) where a series has no point.
+  function plotted(values) {
+    return values.map((v) => (typeof v === "string" ? null : v == null ? undefined : v));
+  }
+
   // A chart of several series over one shared x (steps). `series`: [{label, color}], `ys`: one
-  // array per series (null where a series has no point at that x). `kind`: "line" or "points".
+  // array per series (null where a series has no point at that x; "NaN", "Infinity" or
+  // "-Infinity" where it reported one). `kind`: "line" or "points".
   class Chart {
     constructor(container, { title, xLabel = "step", series, xs = [], ys = null, smoothing = 0, kind = "line", height = 220 }) {
       this.container = container;
@@ -73,8 +82,12 @@
           label: s.label,
           stroke: color,
           width: this.kind === "points" ? 0 : 1.5,
-          value: (u, v) => formatValue(v),
-          spanGaps: true,
+          // at a break the legend names what was reported there
+          value: (u, v, _series, idx) => {
+            const raw = idx == null ? null : this.ys[i][idx];
+            return typeof raw === "string" ? raw : formatValue(v);
+          },
+          spanGaps: false, // only NaN and infinities are null (see plotted): the line breaks there
           points: this.kind === "points" ? { show: true, size: 6, fill: color } : { show: false },
         };
         if (smoothed) {
@@ -100,7 +113,8 @@
 
     data() {
       const columns = [this.xs];
-      for (const y of this.ys) {
+      for (const raw of this.ys) {
+        const y = plotted(raw);
         if (this.kind === "line" && this.smoothing > 0) columns.push(y, smooth(y, this.smoothing));
         else columns.push(y);
       }
@@ -137,5 +151,5 @@
     }
   }
 
-  window.PhalanxCharts = { Chart, smooth, formatValue, PALETTE };
+  window.PhalanxCharts = { Chart, smooth, formatValue, plotted, PALETTE };
 })();
