@@ -408,7 +408,9 @@ def test_nan_and_infinities_are_stored_and_shown_on_every_surface(any_store: tup
         ' {"rank": 0, "step": 2, "time": 1.0, "values": {"loss": "NaN", "up": "Infinity", "down": "-Infinity"}}]}'
     )
     posted = client.post(
-        f"/api/v1/allocations/{alloc_id}/metrics", content=raw, headers={**AGENT, "Content-Type": "application/json"}
+        f"/api/v1/allocations/{alloc_id}/metrics",
+        content=raw,
+        headers={**as_rank(client, alloc_id), "Content-Type": "application/json"},
     )
     assert posted.status_code == 204, posted.text
 
@@ -438,7 +440,7 @@ def test_nan_and_infinities_are_stored_and_shown_on_every_surface(any_store: tup
     # a checkpoint's metrics keep them too
     body = {"step": 2, "path": f"{settings.checkpoint_uri}/job-{job_id}/step-2", "size_bytes": 1}
     body["metrics"] = {"loss": "NaN", "up": "Infinity"}
-    committed = client.post(f"/api/v1/allocations/{alloc_id}/checkpoints", json=body, headers=AGENT)
+    committed = client.post(f"/api/v1/allocations/{alloc_id}/checkpoints", json=body, headers=as_rank(client, alloc_id))
     assert committed.status_code == 201, committed.text
     assert client.get(f"/api/v1/jobs/{job_id}/checkpoints", headers=USER).json()[0]["metrics"] == body["metrics"]
 
