@@ -1,5 +1,7 @@
 """The code bundles jobs and studies bring: a content-addressed store of .tar.gz files under the
-data dir (the name is the SHA-256 of the bytes), capped in size while the upload streams in."""
+data dir (the name is the SHA-256 of the bytes), capped in size while the upload streams in, and
+checked entry by entry before it is kept (`phalanx.bundle_limits`: file count, unpacked size,
+paths, links, devices; the agents check again while unpacking)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,13 @@ import os
 import tempfile
 from typing import BinaryIO
 
-from server.errors import TooLarge
+from phalanx.bundle_limits import BundleLimits, BundleRefused, check_bundle
+from server.errors import TooLarge, Unprocessable
 from server.settings import Settings
+
+
+def bundle_limits(settings: Settings) -> BundleLimits:
+    return BundleLimits(settings.max_bundle_files, settings.max_bundle_unpacked_bytes)
 
 
 def store_bundle(settings: Settings, bundle: BinaryIO) -> tuple[str, int]:
@@ -28,6 +35,11 @@ def store_bundle(settings: Settings, bundle: BinaryIO) -> tuple[str, int]:
                     )
                 digest.update(chunk)
                 out.write(chunk)
+        with open(tmp, "rb") as written:
+            try:
+                check_bundle(written, bundle_limits(settings))
+            except BundleRefused as exc:
+                raise Unprocessable(f"bundle: {exc}") from exc
         sha = digest.hexdigest()
         os.replace(tmp, settings.bundle_dir / f"{sha}.tar.gz")
         return sha, size

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from phalanx.bundle_limits import DEFAULT_MAX_FILES, DEFAULT_MAX_UNPACKED_BYTES
 from phalanx.schemas.specs import MAX_GRID_COMBINATIONS
 
 
@@ -23,6 +24,9 @@ class Settings(BaseSettings):
     admin_token: str | None = None
     agent_token: str | None = None
     max_bundle_bytes: int = 64 * 1024 * 1024
+    # What a bundle may unpack to (checked at upload, and again by the agents while unpacking).
+    max_bundle_files: int = Field(DEFAULT_MAX_FILES, ge=1)
+    max_bundle_unpacked_bytes: int = Field(DEFAULT_MAX_UNPACKED_BYTES, ge=1)
     max_metric_batch_bytes: int = 32 * 1024 * 1024
     max_log_batch_bytes: int = 8 * 1024 * 1024
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap

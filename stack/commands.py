@@ -15,6 +15,7 @@ from typing import Annotated
 import httpx
 import typer
 
+from phalanx.bundle_limits import DEFAULT_MAX_FILES, DEFAULT_MAX_UNPACKED_BYTES, BundleLimits
 from phalanx.cli.live import follow
 from phalanx.cli.output import console, fail
 from phalanx.client import ApiError, SpecError
@@ -120,6 +121,20 @@ def agent(
     work_dir: Annotated[Path | None, typer.Option(help="Where job bundles are unpacked.")] = None,
     heartbeat_interval: Annotated[float, typer.Option(envvar="PHALANX_HEARTBEAT_INTERVAL")] = 2.0,
     kill_grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    run_as: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PHALANX_RUN_AS",
+            help="Run jobs as this OS user (the agent runs as root): they cannot read the agent's token.",
+        ),
+    ] = None,
+    workdir_ttl: Annotated[
+        float, typer.Option(envvar="PHALANX_WORKDIR_TTL", help="Seconds a node's folder is kept after it ends.")
+    ] = 3600.0,
+    max_bundle_files: Annotated[int, typer.Option(envvar="PHALANX_MAX_BUNDLE_FILES")] = DEFAULT_MAX_FILES,
+    max_bundle_unpacked_bytes: Annotated[
+        int, typer.Option(envvar="PHALANX_MAX_BUNDLE_UNPACKED_BYTES")
+    ] = DEFAULT_MAX_UNPACKED_BYTES,
 ) -> None:
     """Run the agent of this node: it registers its slots and runs the workers placed on it."""
     import logging
@@ -142,6 +157,9 @@ def agent(
         work_dir=work_dir or data_dir / "agents" / agent_name,
         heartbeat_interval=heartbeat_interval,
         kill_grace=kill_grace,
+        run_as=run_as,
+        workdir_ttl=workdir_ttl,
+        bundle_limits=BundleLimits(max_bundle_files, max_bundle_unpacked_bytes),
     )
     daemon = AgentDaemon(config)
 

@@ -8,20 +8,24 @@ final and logged.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import pwd
 import shutil
-import tarfile
 import threading
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from phalanx.bundle_limits import BundleLimits, extract_bundle
 from phalanx.client import ApiError, Client, reliably
 from phalanx.schemas import AgentRegistration, Assignment, LogLineIn
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env
@@ -31,6 +35,10 @@ log = logging.getLogger("phalanx.agent")
 # Lines are shipped in batches this often (or at 500 pending): each request costs the server CPU
 # that training on the same machine would otherwise get; a second is still "live" for a person.
 SHIP_INTERVAL_S = 1.0
+# A request carries at most this much output (the server's cap on a log batch is 8 MiB), and at
+# most MAX_PENDING_BYTES of an allocation wait to be shipped before the job's output is held up.
+SHIP_BATCH_BYTES = 2 * 1024 * 1024
+MAX_PENDING_BYTES = 8 * 1024 * 1024
 # The agent's own token (from its last registration), beside the jobs' workdirs, never in one:
 # only the agent's OS user may read it.
 AGENT_TOKEN_FILE = "agent-token"
@@ -50,6 +58,12 @@ class AgentConfig:
     heartbeat_interval: float = 2.0
     kill_grace: float = 10.0
     poll_seconds: float = 20.0
+    # Jobs run as this OS user (name or uid), never as the agent's: they cannot read its token
+    # file or its environment. None: as the agent's own user.
+    run_as: str | None = None
+    # A node's folder (its code, torchrun's logs) is removed this long after the node ended.
+    workdir_ttl: float = 3600.0
+    bundle_limits: BundleLimits = field(default_factory=BundleLimits)
 
 
 class LogShipper(threading.Thread):
@@ -64,27 +78,45 @@ class LogShipper(threading.Thread):
         self._agent = agent
         self._lock = threading.Condition()
         self._pending: dict[int, list[LogLineIn]] = defaultdict(list)
+        self._pending_bytes: dict[int, int] = defaultdict(int)
         self._ship_lock = threading.Lock()
         self._stream = uuid.uuid4().hex[:16]  # a restarted agent never reuses a name
         self._numbered: dict[int, int] = defaultdict(int)  # allocation -> lines named so far
 
     def add(self, allocation_id: int, line: LogLineIn) -> None:
+        """Queue a line; while MAX_PENDING_BYTES of this allocation wait, the caller (the pump of a
+        job's output) waits too, and so does the job's next write: a job printing faster than its
+        output ships is slowed down, its output is never dropped and the agent's memory stays bounded."""
         with self._lock:
+            while self._pending_bytes[allocation_id] > MAX_PENDING_BYTES and not self._agent.stopping.is_set():
+                self._lock.notify_all()
+                self._lock.wait(timeout=1.0)
             self._pending[allocation_id].append(line)
-            if len(self._pending[allocation_id]) >= 500:
-                self._lock.notify()
+            self._pending_bytes[allocation_id] += len(line.line)
+            if len(self._pending[allocation_id]) >= 500 or self._pending_bytes[allocation_id] > MAX_PENDING_BYTES:
+                self._lock.notify_all()
+
+    def _take(self, allocation_id: int | None = None) -> dict[int, list[LogLineIn]]:
+        """The pending lines (of one allocation, or all), under the lock; waiting adders go on."""
+        if allocation_id is None:
+            taken, self._pending = dict(self._pending), defaultdict(list)
+            self._pending_bytes.clear()
+        else:
+            taken = {allocation_id: self._pending.pop(allocation_id, [])}
+            self._pending_bytes.pop(allocation_id, None)
+        self._lock.notify_all()
+        return taken
 
     def flush(self, allocation_id: int) -> None:
         with self._lock:
-            lines = self._pending.pop(allocation_id, [])
+            lines = self._take(allocation_id)[allocation_id]
         self._ship(allocation_id, lines)
 
     def _ship(self, allocation_id: int, lines: list[LogLineIn]) -> None:
         if not lines:
             return
         with self._ship_lock:  # keep each allocation's lines in order
-            for start in range(0, len(lines), 2000):
-                chunk = lines[start : start + 2000]
+            for chunk in _batches(lines):
                 batch_id = f"{self._stream}-{self._numbered[allocation_id]}"
                 self._numbered[allocation_id] += len(chunk)
 
@@ -101,9 +133,23 @@ class LogShipper(threading.Thread):
         while not self._agent.stopping.is_set():
             with self._lock:
                 self._lock.wait(timeout=SHIP_INTERVAL_S)
-                batches, self._pending = dict(self._pending), defaultdict(list)
+                batches = self._take()
             for allocation_id, lines in batches.items():
                 self._ship(allocation_id, lines)
+
+
+def _batches(lines: list[LogLineIn]) -> Iterator[list[LogLineIn]]:
+    """The lines in order, in requests of at most 2,000 lines and SHIP_BATCH_BYTES."""
+    chunk: list[LogLineIn] = []
+    size = 0
+    for line in lines:
+        if chunk and (len(chunk) >= 2000 or size + len(line.line) > SHIP_BATCH_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(line)
+        size += len(line.line)
+    if chunk:
+        yield chunk
 
 
 class NodeRunner(threading.Thread):
@@ -120,6 +166,10 @@ class NodeRunner(threading.Thread):
     @property
     def allocation_id(self) -> int:
         return self._assignment.allocation_id
+
+    @property
+    def node_dir(self) -> Path:
+        return self.agent.config.work_dir / f"alloc-{self._assignment.allocation_id}-node-{self._assignment.node_rank}"
 
     def update(self, assignment: Assignment | None) -> None:
         """A newer view from the server; None means the server no longer knows this node.
@@ -143,6 +193,7 @@ class NodeRunner(threading.Thread):
         exit_code, reason = 1, ""
         try:
             workdir = self._prepare()
+            self.agent.job_user.own(self.node_dir)
             ready = self._await_rendezvous()
             if ready is None:
                 exit_code, reason = -15, "stopped before launch"
@@ -162,12 +213,13 @@ class NodeRunner(threading.Thread):
                 log.info("allocation %d node %d: reported exit %d", a.allocation_id, a.node_rank, exit_code)
             except ApiError as exc:
                 log.warning("exit report for allocation %d refused: %s", a.allocation_id, exc)
+            self.agent.remove_later(self.node_dir)
             self.agent.forget(self)
             self.agent.prime_when_idle()
 
     def _prepare(self) -> Path:
         a = self._assignment
-        root = self.agent.config.work_dir / f"alloc-{a.allocation_id}-node-{a.node_rank}"
+        root = self.node_dir
         workdir = root / "workdir"
         if root.exists():
             shutil.rmtree(root)
@@ -178,8 +230,7 @@ class NodeRunner(threading.Thread):
             if exc.status != 404:
                 raise
             return workdir  # a job without code: the entrypoint is on the node already
-        with tarfile.open(fileobj=io.BytesIO(bundle), mode="r:gz") as tar:
-            tar.extractall(workdir, filter="data")
+        extract_bundle(io.BytesIO(bundle), workdir, self.agent.config.bundle_limits)
         return workdir
 
     def _await_rendezvous(self) -> Assignment | None:
@@ -197,6 +248,8 @@ class NodeRunner(threading.Thread):
     def _launch_and_wait(self, a: Assignment, workdir: Path) -> tuple[int, str]:
         cfg = self.agent.config
         env = rank_env(a, dict(os.environ), cfg.server_url, cfg.address)
+        if cfg.run_as is not None:
+            env["HOME"] = str(workdir.parent)  # caches and dotfiles stay in the node's folder
         log_dir = workdir.parent / "torchrun-logs"
         failure = FailureReport()
 
@@ -210,7 +263,9 @@ class NodeRunner(threading.Thread):
         with self._changed:
             if self._stop_requested:
                 return -15, "stopped before launch"
-            self._process, warm = NodeProcess.start(a, env, workdir, log_dir, on_line, self.agent.warm)
+            self._process, warm = NodeProcess.start(
+                a, env, workdir, log_dir, on_line, self.agent.warm, self.agent.job_user.popen_args()
+            )
         log.info(
             "allocation %d node %d: torchrun pid %d (%s)",
             a.allocation_id,
@@ -236,7 +291,8 @@ class AgentDaemon:
         self.agent_id = 0
         self.stopping = threading.Event()
         self.shipper = LogShipper(self)
-        self.warm = WarmTorchrun(dict(os.environ), config.work_dir)
+        self.job_user = JobUser.named(config.run_as)
+        self.warm = WarmTorchrun(dict(os.environ), config.work_dir, popen_args=self.job_user.popen_args())
         self._runners: dict[tuple[int, int], NodeRunner] = {}
         self._lock = threading.Lock()
 
@@ -260,6 +316,24 @@ class AgentDaemon:
         self.client.use_token(agent.agent_token)
         self.agent_id = agent.id
         log.info("registered as agent %d (%s, %s)", agent.id, agent.name, self.config.address)
+
+    def remove_later(self, node_dir: Path) -> None:
+        """Remove a node's folder once `workdir_ttl` has passed (its logs are on the server)."""
+        timer = threading.Timer(
+            self.config.workdir_ttl, shutil.rmtree, args=(node_dir,), kwargs={"ignore_errors": True}
+        )
+        timer.daemon = True
+        timer.start()
+
+    def sweep_old_node_dirs(self) -> None:
+        """Folders of nodes that ended before this agent (re)started and are past their time."""
+        if not self.config.work_dir.is_dir():
+            return
+        cutoff = time.time() - self.config.workdir_ttl
+        for node_dir in self.config.work_dir.glob("alloc-*-node-*"):
+            with contextlib.suppress(OSError):
+                if node_dir.stat().st_mtime < cutoff:
+                    shutil.rmtree(node_dir, ignore_errors=True)
 
     def forget(self, runner: NodeRunner) -> None:
         with self._lock:
@@ -318,6 +392,7 @@ class AgentDaemon:
             log.warning("could not report absent node: %s", exc)
 
     def run(self) -> None:
+        self.sweep_old_node_dirs()
         self.register()
         self.warm.prime()
         self.shipper.start()
@@ -350,3 +425,38 @@ class AgentDaemon:
         for runner in runners:
             runner.join(timeout=self.config.kill_grace + 5)
         self.warm.close()
+
+
+@dataclass(frozen=True)
+class JobUser:
+    """The OS user jobs run as: `popen_args` for every process of a node, `own` for its folder."""
+
+    uid: int | None = None
+    gid: int | None = None
+
+    @classmethod
+    def named(cls, user: str | None) -> JobUser:
+        if user is None:
+            return cls()
+        try:
+            entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        except KeyError as exc:
+            raise SystemExit(f"--run-as {user}: no such user on this machine; create it or name another") from exc
+        if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
+            raise SystemExit(f"--run-as {user} needs the agent to run as root (it switches users for each job)")
+        return cls(entry.pw_uid, entry.pw_gid)
+
+    def popen_args(self) -> dict[str, Any]:
+        if self.uid is None:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def own(self, root: Path) -> None:
+        """Give `root` and everything in it to the job's user (the agent unpacked it as its own)."""
+        if self.uid is None:
+            return
+        gid = self.gid if self.gid is not None else -1
+        os.chown(root, self.uid, gid)
+        for folder, dirs, files in os.walk(root):
+            for name in dirs + files:
+                os.chown(os.path.join(folder, name), self.uid, gid, follow_symlinks=False)

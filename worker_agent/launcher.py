@@ -6,6 +6,7 @@ torchrun's process group would miss them: stopping walks the whole process tree 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import re
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -26,6 +28,8 @@ from worker_agent.warm import WarmTorchrun
 
 # torchrun --tee prefixes every line of a rank with "[<role><local_rank>]:".
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+# Output is read in lines of at most this many bytes; a longer one arrives as several.
+MAX_LINE_BYTES = 64 * 1024
 # torchrun's failure summary names the first failing rank under "Root Cause".
 _SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -181,6 +185,7 @@ class NodeProcess:
         log_dir: Path,
         on_line: Callable[[int | None, str, str], None],
         warm: WarmTorchrun | None = None,
+        popen_args: dict[str, Any] | None = None,
     ) -> tuple[NodeProcess, bool]:
         """torchrun for this node, from the warm process when one waits; (process, was it warm)."""
         proc = warm.take(torchrun_args(a, log_dir), env, cwd) if warm is not None else None
@@ -194,19 +199,27 @@ class NodeProcess:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                **(popen_args or {}),  # the jobs' OS user (`--run-as`)
             )
         return cls(proc, a.node_rank, a.nproc_per_node, on_line), was_warm
 
     @staticmethod
     def _pump(stream: object, name: str, first_rank: int, on_line: Callable[[int | None, str, str], None]) -> None:
+        """Every output line to `on_line`, a line longer than MAX_LINE_BYTES as several (the rest
+        keeps its rank): memory stays bounded whatever a job prints, and nothing is dropped."""
         assert hasattr(stream, "readline")
-        for raw in iter(stream.readline, b""):
-            text = raw.decode("utf-8", "replace").rstrip("\n")
-            match = _RANK_PREFIX.match(text)
-            if match:
-                on_line(first_rank + int(match.group(1)), name, text[match.end() :])
-            else:
-                on_line(None, name, text)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # never splits a character
+        rank: int | None = None
+        continued = False
+        for raw in iter(lambda: stream.readline(MAX_LINE_BYTES), b""):
+            ends = raw.endswith(b"\n")
+            text = decoder.decode(raw, final=ends).removesuffix("\n")
+            if not continued:
+                match = _RANK_PREFIX.match(text)
+                rank = first_rank + int(match.group(1)) if match else None
+                text = text[match.end() :] if match else text
+            on_line(rank, name, text)
+            continued = not ends
 
     def wait(self) -> int:
         """Wait for torchrun and for the end of its output; the exit code (negative: a signal)."""

@@ -24,6 +24,7 @@ MetricName = Annotated[str, Field(min_length=1, max_length=128)]
 MAX_RECORDS_PER_BATCH = 100_000
 MAX_VALUES_PER_RECORD = 1_000
 MAX_LINES_PER_BATCH = 100_000
+MAX_LOG_LINE_CHARS = 65_536
 
 
 class AgentRegistration(StrictModel):
@@ -102,7 +103,7 @@ class LogLineIn(StrictModel):
     rank: Count32 | None = None  # None: the launcher's own output
     stream: Literal["stdout", "stderr"] = "stdout"
     time: UnixTime
-    line: str
+    line: Annotated[str, Field(max_length=MAX_LOG_LINE_CHARS)]  # the agent splits longer ones
 
 
 BatchId = Annotated[

@@ -25,9 +25,11 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic_core import ErrorDetails
 
 from phalanx import schemas
+from phalanx.bundle_limits import BundleLimits
 from server import commands
 from server.api.deps import SessionDep, SettingsDep, get_settings
 from server.api.uploads import InvalidSpec, parse_spec
+from server.bundles import bundle_limits
 from server.dashboard.render import CsrfChecked, SignedIn, render
 from server.errors import PhalanxError, Unprocessable
 from server.settings import Settings
@@ -37,7 +39,6 @@ router = APIRouter(include_in_schema=False)
 STUDY_MARKERS = ("trial", "search_space", "objective")  # fields only a study file has (and must have)
 MAX_SPEC_BYTES = 1 << 20
 MAX_YAML_NODES = 100_000  # after aliases are expanded: `&a [*a, *a, ...]` nests to billions
-ZIP_EXPANSION = 8  # a .zip may unpack to this many times the bundle cap
 LINE_BREAK = re.compile(r"\r\n|[\n\r\x85\u2028\u2029]")  # YAML's line breaks, which its marks count
 FIELD_PREFIX = re.compile(r"^([A-Za-z_]\w*(?:\.[\w-]+|\[\d+\])*)(?=[: ])")  # "enqueue[0].lr: ..." in a message
 
@@ -258,7 +259,7 @@ def code_bundle(upload: UploadFile | None, settings: Settings, scratch: BinaryIO
     if head.startswith(b"\x1f\x8b"):
         return upload
     if head in (b"PK\x03\x04", b"PK\x05\x06"):
-        repack_zip(upload, settings.max_bundle_bytes * ZIP_EXPANSION, scratch)
+        repack_zip(upload, bundle_limits(settings), scratch)
         return UploadFile(scratch, filename="bundle.tar.gz")
     raise Unprocessable(
         f"The code archive {upload.filename} is neither a .tar.gz nor a .zip: archive the workdir's contents, "
@@ -266,10 +267,14 @@ def code_bundle(upload: UploadFile | None, settings: Settings, scratch: BinaryIO
     )
 
 
-def repack_zip(upload: UploadFile, max_unpacked: int, out: BinaryIO) -> None:
-    """A .zip as a .tar.gz whose entries are "./name", as `phalanx submit` packs a workdir."""
+def repack_zip(upload: UploadFile, limits: BundleLimits, out: BinaryIO) -> None:
+    """A .zip as a .tar.gz whose entries are "./name", as `phalanx submit` packs a workdir (the
+    bundle store checks the result again, entry by entry)."""
+    max_unpacked = limits.max_unpacked_bytes
     try:
         with zipfile.ZipFile(upload.file) as archive, tarfile.open(fileobj=out, mode="w:gz") as tar:
+            if len(archive.infolist()) > limits.max_files:
+                raise Unprocessable(f"The .zip has more than {limits.max_files} files; leave data sets out of it.")
             unpacked = 0
             for entry in archive.infolist():
                 name = entry.filename
