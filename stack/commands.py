@@ -125,7 +125,7 @@ def agent(
         str | None,
         typer.Option(
             envvar="PHALANX_RUN_AS",
-            help="Run jobs as this OS user (the agent runs as root): they cannot read the agent's token.",
+            help="Run jobs as this OS user, or each node as its own uid of a range FIRST-LAST (agent as root).",
         ),
     ] = None,
     workdir_ttl: Annotated[

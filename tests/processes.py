@@ -93,8 +93,11 @@ class Stack:
         kill_grace: float = 5.0,
         address: str = "127.0.0.1",
         netns: str | None = None,
+        work_dir: Path | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
-        """An agent on loopback, or inside network namespace `netns` advertising `address`."""
+        """An agent on loopback, or inside network namespace `netns` advertising `address`;
+        `extra`: more of `phalanx agent`'s options."""
         self.spawn(
             name,
             "agent",
@@ -109,7 +112,8 @@ class Stack:
             "--kill-grace",
             str(kill_grace),
             "--work-dir",
-            str(self.tmp / "agents" / name),
+            str(work_dir or self.tmp / "agents" / name),
+            *extra,
             netns=netns,
         )
 
@@ -131,7 +135,7 @@ class Stack:
         return self.supervisor.log(name)
 
     def client(self) -> Client:
-        return Client(self.url, ADMIN_TOKEN)
+        return Client(self.url, self.env["PHALANX_ADMIN_TOKEN"])
 
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Signal a component; whatever of its process tree outlives it (a torchrun tree

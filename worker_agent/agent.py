@@ -191,14 +191,15 @@ class NodeRunner(threading.Thread):
     def run(self) -> None:
         a = self._assignment
         exit_code, reason = 1, ""
+        user = self.agent.job_users.take()
         try:
             workdir = self._prepare()
-            self.agent.job_user.own(self.node_dir)
+            user.own(self.node_dir)
             ready = self._await_rendezvous()
             if ready is None:
                 exit_code, reason = -15, "stopped before launch"
             else:
-                exit_code, reason = self._launch_and_wait(ready, workdir)
+                exit_code, reason = self._launch_and_wait(ready, workdir, user)
         except Exception as exc:  # anything here fails the node, never the agent
             log.exception("node %d of allocation %d failed to run", a.node_rank, a.allocation_id)
             exit_code, reason = 1, f"agent could not run the node: {exc}"
@@ -214,6 +215,7 @@ class NodeRunner(threading.Thread):
             except ApiError as exc:
                 log.warning("exit report for allocation %d refused: %s", a.allocation_id, exc)
             self.agent.remove_later(self.node_dir)
+            self.agent.job_users.give_back(user)
             self.agent.forget(self)
             self.agent.prime_when_idle()
 
@@ -245,10 +247,10 @@ class NodeRunner(threading.Thread):
                 self._changed.wait(timeout=1.0)
             return None if self._stop_requested else self._assignment
 
-    def _launch_and_wait(self, a: Assignment, workdir: Path) -> tuple[int, str]:
+    def _launch_and_wait(self, a: Assignment, workdir: Path, user: JobUser) -> tuple[int, str]:
         cfg = self.agent.config
         env = rank_env(a, dict(os.environ), cfg.server_url, cfg.address)
-        if cfg.run_as is not None:
+        if user.uid is not None:
             env["HOME"] = str(workdir.parent)  # caches and dotfiles stay in the node's folder
         log_dir = workdir.parent / "torchrun-logs"
         failure = FailureReport()
@@ -264,7 +266,7 @@ class NodeRunner(threading.Thread):
             if self._stop_requested:
                 return -15, "stopped before launch"
             self._process, warm = NodeProcess.start(
-                a, env, workdir, log_dir, on_line, self.agent.warm, self.agent.job_user.popen_args()
+                a, env, workdir, log_dir, on_line, self.agent.warm, user.popen_args()
             )
         log.info(
             "allocation %d node %d: torchrun pid %d (%s)",
@@ -291,8 +293,10 @@ class AgentDaemon:
         self.agent_id = 0
         self.stopping = threading.Event()
         self.shipper = LogShipper(self)
-        self.job_user = JobUser.named(config.run_as)
-        self.warm = WarmTorchrun(dict(os.environ), config.work_dir, popen_args=self.job_user.popen_args())
+        self.job_users = JobUsers.parse(config.run_as)
+        # A warm torchrun waits before its job is known, so it cannot wait as that job's user:
+        # with --run-as every node starts cold.
+        self.warm = WarmTorchrun(dict(os.environ), config.work_dir, size=0 if self.job_users.switching else 2)
         self._runners: dict[tuple[int, int], NodeRunner] = {}
         self._lock = threading.Lock()
 
@@ -429,22 +433,11 @@ class AgentDaemon:
 
 @dataclass(frozen=True)
 class JobUser:
-    """The OS user jobs run as: `popen_args` for every process of a node, `own` for its folder."""
+    """An OS user a node runs as: `popen_args` for its processes, `own` for its folder. No uid:
+    the agent's own user."""
 
     uid: int | None = None
     gid: int | None = None
-
-    @classmethod
-    def named(cls, user: str | None) -> JobUser:
-        if user is None:
-            return cls()
-        try:
-            entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
-        except KeyError as exc:
-            raise SystemExit(f"--run-as {user}: no such user on this machine; create it or name another") from exc
-        if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
-            raise SystemExit(f"--run-as {user} needs the agent to run as root (it switches users for each job)")
-        return cls(entry.pw_uid, entry.pw_gid)
 
     def popen_args(self) -> dict[str, Any]:
         if self.uid is None:
@@ -452,7 +445,7 @@ class JobUser:
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
     def own(self, root: Path) -> None:
-        """Give `root` and everything in it to the job's user (the agent unpacked it as its own)."""
+        """Give `root` and everything in it to this user (the agent unpacked it as its own)."""
         if self.uid is None:
             return
         gid = self.gid if self.gid is not None else -1
@@ -460,3 +453,48 @@ class JobUser:
         for folder, dirs, files in os.walk(root):
             for name in dirs + files:
                 os.chown(os.path.join(folder, name), self.uid, gid, follow_symlinks=False)
+
+
+class JobUsers:
+    """Who nodes run as (`--run-as`): the agent's user; one named user for every node (jobs cannot
+    read the agent's token, but can read each other's processes); or a uid range "FIRST-LAST",
+    each running node taking a uid of its own (jobs cannot read each other either)."""
+
+    def __init__(self, users: list[JobUser], shared: bool) -> None:
+        self._free = users
+        self._shared = shared
+        self._lock = threading.Lock()
+
+    @classmethod
+    def parse(cls, run_as: str | None) -> JobUsers:
+        if run_as is None:
+            return cls([JobUser()], shared=True)
+        if os.geteuid() != 0:
+            raise SystemExit(f"--run-as {run_as} needs the agent to run as root (it switches users for each job)")
+        first, dash, last = run_as.partition("-")
+        if dash and first.isdigit() and last.isdigit() and 0 < int(first) <= int(last):
+            return cls([JobUser(uid, uid) for uid in range(int(first), int(last) + 1)], shared=False)
+        try:
+            entry = pwd.getpwuid(int(run_as)) if run_as.isdigit() else pwd.getpwnam(run_as)
+        except KeyError as exc:
+            raise SystemExit(
+                f"--run-as {run_as}: no such user; create it, or give a uid range like 20000-20063"
+            ) from exc
+        return cls([JobUser(entry.pw_uid, entry.pw_gid)], shared=True)
+
+    @property
+    def switching(self) -> bool:
+        return self._free[0].uid is not None if self._shared else True
+
+    def take(self) -> JobUser:
+        with self._lock:
+            if self._shared:
+                return self._free[0]
+            if not self._free:
+                raise RuntimeError("every uid of --run-as runs a node already; give the agent a larger range")
+            return self._free.pop(0)
+
+    def give_back(self, user: JobUser) -> None:
+        if not self._shared:
+            with self._lock:
+                self._free.append(user)

@@ -30,7 +30,6 @@ import threading
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("phalanx.agent")
 TORCHRUN_MODULE = "torch.distributed.run"
@@ -39,9 +38,7 @@ TORCHRUN_MODULE = "torch.distributed.run"
 class WarmTorchrun:
     """Keeps up to `size` waiting torchruns; `prime()` tops them up, `take()` hands one a command."""
 
-    def __init__(
-        self, base_env: dict[str, str], cwd: Path, size: int = 2, popen_args: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, base_env: dict[str, str], cwd: Path, size: int = 2) -> None:
         # The agent's own PHALANX_* settings stay out of it, as they stay out of the ranks.
         self._env = {k: v for k, v in base_env.items() if not k.startswith("PHALANX_")}
         self._cwd = cwd
@@ -49,7 +46,6 @@ class WarmTorchrun:
         self._lock = threading.Lock()
         self._waiting: list[subprocess.Popen[bytes]] = []  # oldest first: the likeliest to be ready
         self._closed = False
-        self._popen_args = popen_args or {}  # the jobs' OS user (`--run-as`): a warm one waits as that user
 
     def prime(self) -> None:
         with self._lock:
@@ -67,7 +63,6 @@ class WarmTorchrun:
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         start_new_session=True,  # like a cold torchrun: stop() walks its tree
-                        **self._popen_args,
                     )
                 except OSError as exc:
                     log.warning("cannot start a warm torchrun (%s); nodes start cold", exc)

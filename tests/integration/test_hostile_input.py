@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import tarfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from server.models import Allocation, Checkpoint, Job, LogLine, Metric
 from server.settings import Settings
 from tests.agent_tokens import as_agent, as_rank, token_of
 from tests.conftest import AGENT_TOKEN
-from tests.integration.test_api import AGENT, USER
+from tests.integration.test_api import AGENT, USER, count, spec
 
 PAST_INT32 = 2**31
 PAST_INT64 = 2**63
@@ -436,3 +437,33 @@ def test_a_user_past_the_cap_of_live_streams_gets_429_and_a_closed_one_frees_its
         wait_until(lambda: holds.held() == 0, "the closed stream to free its slot")
         with http.stream("GET", "/events/jobs") as stream:
             assert stream.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("bundle", "problem"),
+    [
+        ("zip_slip", "outside its folder"),
+        ("absolute", "outside its folder"),
+        ("symlink_out", "points outside it"),
+        ("million_files", "more than 10000 files"),
+    ],
+)
+def test_a_hostile_bundle_is_refused_at_upload_and_nothing_is_kept(
+    client: TestClient, settings: Settings, bundle: str, problem: str
+) -> None:
+    from tests.unit.test_bundle_limits import entry, million_empty_files, tar_gz
+
+    data = {
+        "zip_slip": lambda: tar_gz((entry("../../../etc/cron.d/x"), b"* * * * * root sh\n")),
+        "absolute": lambda: tar_gz((entry("/etc/passwd"), b"x")),
+        "symlink_out": lambda: tar_gz((entry("./k", tarfile.SYMTYPE, "/root/.ssh/id_rsa"), None)),
+        "million_files": million_empty_files,
+    }[bundle]().getvalue()
+    started = time.monotonic()
+    files = {"spec": (None, json.dumps(spec(resources={"nodes": 1})), "application/json"), "bundle": ("b.tar.gz", data)}
+    answer = client.post("/api/v1/jobs", files=files, headers=USER)
+    assert answer.status_code == 422 and problem in answer.json()["error"], answer.text
+    assert answer.json()["error"].startswith("bundle: ")
+    assert time.monotonic() - started < 10
+    assert count(settings, Job) == 0
+    assert list(settings.bundle_dir.glob("*")) == []  # neither the bundle nor its partial copy
