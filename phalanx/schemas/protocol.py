@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from phalanx.schemas._base import NAME_PATTERN, StrictModel
+from phalanx.schemas._base import NAME_PATTERN, NUL_FREE, PrintedText, StrictModel
 from phalanx.schemas.enums import Precision, SlotType
 
 # What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
@@ -20,7 +20,7 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Step64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 UnixTime = Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)]
-MetricName = Annotated[str, Field(min_length=1, max_length=128)]
+MetricName = Annotated[str, Field(min_length=1, max_length=128, pattern=NUL_FREE)]
 # Non-finite values are refused for now: JSON has no literal for them, and the metric pipeline
 # (`phalanx.train`) drops them before sending, counting them in its stats.
 MetricValue = Annotated[float, Field(allow_inf_nan=False)]
@@ -31,7 +31,7 @@ MAX_LINES_PER_BATCH = 100_000
 
 class AgentRegistration(StrictModel):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
-    address: Annotated[str, Field(min_length=1, max_length=255)]
+    address: Annotated[str, Field(min_length=1, max_length=255, pattern=NUL_FREE)]
     cpu_slots: int = Field(ge=0, le=4096)
     gpu_slots: int = Field(0, ge=0, le=256)
 
@@ -86,14 +86,14 @@ class NodeStarted(StrictModel):
 class NodeExit(StrictModel):
     node_rank: Count32
     exit_code: Int32
-    reason: str = Field("", max_length=4000)
+    reason: Annotated[PrintedText, Field(max_length=4000)] = ""  # ends with the rank's last stderr lines
 
 
 class LogLineIn(StrictModel):
     rank: Count32 | None = None  # None: the launcher's own output
     stream: Literal["stdout", "stderr"] = "stdout"
     time: UnixTime
-    line: str
+    line: PrintedText
 
 
 class LogBatch(StrictModel):
@@ -111,7 +111,9 @@ class MetricRecord(StrictModel):
 
 class MetricBatchIn(StrictModel):
     records: Annotated[list[MetricRecord], Field(max_length=MAX_RECORDS_PER_BATCH)]
-    batch_id: str | None = Field(None, max_length=64, description="Idempotency key: a retried batch is stored once.")
+    batch_id: str | None = Field(
+        None, max_length=64, pattern=NUL_FREE, description="Idempotency key: a retried batch is stored once."
+    )
 
 
 class CheckpointCommit(StrictModel):

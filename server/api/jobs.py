@@ -16,6 +16,7 @@ from server.api.deps import (
     MAX_BIG_ID,
     MAX_ROW_ID,
     AgentDep,
+    MetricNameQuery,
     RowId,
     SessionDep,
     SessionsDep,
@@ -120,7 +121,7 @@ def job_metrics(
     job_id: RowId,
     session: SessionDep,
     user: UserDep,
-    name: str | None = None,
+    name: MetricNameQuery = None,
     limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
     all_attempts: Annotated[
         bool, Query(description="Include the points of failed attempts that a resumed attempt re-did")
