@@ -24,6 +24,7 @@ PrintedText = Annotated[str, AfterValidator(_nul_replaced)]
 
 
 class StrictModel(BaseModel):
-    """A body a person or a program writes: unknown fields are refused, not ignored."""
+    """A body a person or a program writes: unknown fields are refused, not ignored, and so are
+    infinite and NaN numbers (JSON has no literal for them: a spec holding one could not be stored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

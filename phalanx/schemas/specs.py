@@ -5,6 +5,7 @@ Every inconsistency Optuna (or the launcher) would trip over later is refused he
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -98,6 +99,8 @@ class Objective(StrictModel):
 
 def _is_multiple(span: float, step: float) -> bool:
     ratio = span / step
+    if not math.isfinite(ratio):  # more steps than a float can count (1e308 in steps of 1e-308)
+        return False
     return abs(ratio - round(ratio)) <= 1e-9 * max(1.0, abs(ratio))
 
 

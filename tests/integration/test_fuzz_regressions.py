@@ -1,6 +1,8 @@
-"""What the OpenAPI fuzz (tests/e2e/test_fuzz_openapi.py) found answering 500, each pinned here:
-text PostgreSQL cannot store (NUL) is refused with 422 naming the field, or, where a training
-program printed it, stored with U+FFFD in its place."""
+"""What answered 500 under the OpenAPI fuzz (tests/e2e/test_fuzz_openapi.py) and the hand probes
+beside it, each pinned here: text PostgreSQL cannot store (NUL) is refused with 422 naming the
+field, or, where a training program printed it, stored with U+FFFD in its place; a spec number JSON
+cannot hold (Infinity, NaN), or a float step too fine to count, is refused with 422 and nothing is
+stored."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 
 from scheduler.service import schedule_pass
 from server.db import session_scope
+from server.models import Job, TuningStudy
 from server.settings import Settings
 from tests.integration.test_api import AGENT, USER
 
@@ -79,3 +83,36 @@ def test_a_printed_nul_is_stored_as_a_replacement_character(client: TestClient, 
     ]
     events = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["events"]
     assert any("a\ufffdb" in event["reason"] for event in events), events
+
+
+JOB = '{"name": "j", "entrypoint": "python t.py", %s}'
+STUDY = (
+    '{"name": "s", "objective": {"metric": "loss"}, "n_trials": 2, "trial": {"entrypoint": "python t.py"},'
+    ' "search_space": {"x": %s}, %s}'
+)
+FLOAT_PARAM = '{"type": "float", "low": 0.0, "high": 1.0}'
+
+
+@pytest.mark.parametrize(
+    ("path", "spec", "field"),
+    [
+        ("/api/v1/jobs", JOB % '"hang_timeout": Infinity', "hang_timeout: Input should be a finite number"),
+        ("/api/v1/studies", STUDY % (FLOAT_PARAM, '"target_value": NaN'), "target_value"),
+        ("/api/v1/studies", STUDY % (FLOAT_PARAM, '"timeout": Infinity'), "timeout"),
+        ("/api/v1/studies", STUDY % ('{"type": "float", "low": -Infinity, "high": 1.0}', '"n_trials": 2'), "low"),
+        ("/api/v1/studies", STUDY % ('{"type": "categorical", "choices": [NaN, 1]}', '"n_trials": 2'), "choices"),
+        (
+            "/api/v1/studies",
+            STUDY % ('{"type": "float", "low": 0, "high": 1e308, "step": 1e-308}', '"n_trials": 2'),
+            "is not a multiple of step",
+        ),
+    ],
+)
+def test_a_spec_number_json_cannot_hold_answers_422_and_stores_nothing(
+    client: TestClient, settings: Settings, path: str, spec: str, field: str
+) -> None:
+    answer = client.post(path, files={"spec": (None, spec)}, headers=USER)
+    assert answer.status_code == 422 and field in answer.json()["error"], answer.text
+    with session_scope(settings.database_url) as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+        assert session.scalar(select(func.count()).select_from(TuningStudy)) == 0
