@@ -15,7 +15,7 @@ from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
 from server import auth, dashboard, task_queue
-from server.api import agents, allocations, jobs, ops, studies, teams, tokens
+from server.api import agents, allocations, docs, jobs, ops, studies, teams, tokens
 from server.api.deps import Services, get_principal, install_services
 from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
@@ -53,6 +53,9 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         version="0.1.0",
         description="Distributed PyTorch training: jobs, hyperparameter studies, agents, metrics and logs.",
         lifespan=lifespan,
+        # /docs and /redoc are server.api.docs's: vendored files, no inline script
+        docs_url=None,
+        redoc_url=None,
     )
     sessions = session_factory(settings.database_url)
     enqueue = enqueue or task_queue.enqueuer(task_queue.make_celery(settings))
@@ -89,6 +92,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(ops.router)
+    app.include_router(docs.router)
     app.mount("/static", StaticFiles(directory=WEB_DIR / "static"), name="static")
     for router in dashboard.ROUTERS:
         app.include_router(router)

@@ -10,7 +10,7 @@ Every public name is re-exported here: `from phalanx.schemas import JobSpec` and
 are the ways to use them. Importing this package loads pydantic; `phalanx.train` never does.
 """
 
-from phalanx.schemas._base import NAME_PATTERN, MetricValue
+from phalanx.schemas._base import NAME_PATTERN, NUL_FREE, MetricValue
 from phalanx.schemas.enums import (
     TERMINAL_JOB_STATES,
     AgentState,
@@ -95,6 +95,7 @@ from phalanx.schemas.views import (
 __all__ = [
     "ENV_KEY",
     "NAME_PATTERN",
+    "NUL_FREE",
     "RESERVED_ENV_KEYS",
     "RESERVED_ENV_PREFIXES",
     "STUDY_NAME_PATTERN",

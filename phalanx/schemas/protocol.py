@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from phalanx.schemas._base import NAME_PATTERN, MetricValue, StrictModel, WireModel
+from phalanx.schemas._base import NAME_PATTERN, NUL_FREE, MetricValue, PrintedText, StrictModel, WireModel
 from phalanx.schemas.enums import AgentState, Precision, SlotType
 
 # What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
@@ -20,7 +20,7 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Step64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 UnixTime = Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)]
-MetricName = Annotated[str, Field(min_length=1, max_length=128)]
+MetricName = Annotated[str, Field(min_length=1, max_length=128, pattern=NUL_FREE)]
 MAX_RECORDS_PER_BATCH = 100_000
 MAX_VALUES_PER_RECORD = 1_000
 MAX_LINES_PER_BATCH = 100_000
@@ -29,7 +29,7 @@ MAX_LOG_LINE_CHARS = 65_536
 
 class AgentRegistration(StrictModel):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
-    address: Annotated[str, Field(min_length=1, max_length=255)]
+    address: Annotated[str, Field(min_length=1, max_length=255, pattern=NUL_FREE)]
     cpu_slots: int = Field(ge=0, le=4096)
     gpu_slots: int = Field(0, ge=0, le=256)
     # The agent's own token from its first registration (kept in its data dir): proves that a
@@ -96,14 +96,14 @@ class NodeStarted(StrictModel):
 class NodeExit(StrictModel):
     node_rank: Count32
     exit_code: Int32
-    reason: str = Field("", max_length=4000)
+    reason: Annotated[PrintedText, Field(max_length=4000)] = ""  # ends with the rank's last stderr lines
 
 
 class LogLineIn(StrictModel):
     rank: Count32 | None = None  # None: the launcher's own output
     stream: Literal["stdout", "stderr"] = "stdout"
     time: UnixTime
-    line: Annotated[str, Field(max_length=MAX_LOG_LINE_CHARS)]  # the agent splits longer ones
+    line: Annotated[PrintedText, Field(max_length=MAX_LOG_LINE_CHARS)]  # the agent splits longer ones
 
 
 BatchId = Annotated[
@@ -111,6 +111,7 @@ BatchId = Annotated[
     Field(
         min_length=1,
         max_length=64,
+        pattern=NUL_FREE,
         description="Idempotency key: a batch sent again under the same id (its answer was lost) is stored "
         "once. Without one the server takes a digest of the body, so only a byte-identical resend is recognised.",
     ),

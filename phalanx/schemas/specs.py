@@ -190,7 +190,9 @@ class Objective(SpecModel):
 
 def _is_multiple(span: float, step: float) -> bool:
     ratio = span / step
-    return math.isfinite(ratio) and abs(ratio - round(ratio)) <= 1e-9 * max(1.0, abs(ratio))
+    if not math.isfinite(ratio):  # more steps than a float can count (1e308 in steps of 1e-308)
+        return False
+    return abs(ratio - round(ratio)) <= 1e-9 * max(1.0, abs(ratio))
 
 
 class FloatParam(SpecModel):

@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Path, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
+from phalanx.schemas import NUL_FREE
 from server.auth import Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, Unauthorized
 from server.holds import HeldRequests
@@ -127,6 +128,8 @@ MAX_ROW_ID = 2**31 - 1
 MAX_BIG_ID = 2**63 - 1
 RowId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
 Step = Annotated[int, Path(ge=0, le=MAX_BIG_ID)]
+# A metric's name to filter by: what a stored one can be (`schemas.MetricRecord`), or 422
+MetricNameQuery = Annotated[str | None, Query(min_length=1, max_length=128, pattern=NUL_FREE)]
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -17,6 +17,7 @@ from server.api.deps import (
     MAX_ROW_ID,
     AgentDep,
     HoldsDep,
+    MetricNameQuery,
     RowId,
     SessionDep,
     SessionsDep,
@@ -129,7 +130,7 @@ def job_metrics(
     job_id: RowId,
     session: SessionDep,
     user: UserDep,
-    name: Annotated[str | None, Query(max_length=128)] = None,
+    name: MetricNameQuery = None,
     after: Annotated[int, Query(ge=0, le=MAX_BIG_ID, description="Only points with an id above this")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_METRIC_POINTS)] = MAX_METRIC_POINTS,
     all_attempts: Annotated[

@@ -242,12 +242,14 @@ def test_every_page_forbids_inline_script_and_framing(client: TestClient) -> Non
         files={"spec": (None, '{"name": "j", "entrypoint": "python t.py"}', "application/json")},
         headers=USER,
     ).json()["id"]
-    for path in ("/overview", "/jobs", f"/jobs/{job_id}", "/agents", "/studies", "/submit", "/api/v1/jobs"):
+    pages = ("/overview", "/jobs", f"/jobs/{job_id}", "/agents", "/studies", "/submit", "/docs", "/redoc")
+    for path in (*pages, "/api/v1/jobs"):
         answer = client.get(path, headers=USER if path.startswith("/api/") else {})
         policy = answer.headers["content-security-policy"]
         assert "script-src 'self';" in policy and "frame-ancestors 'none'" in policy, path
         assert answer.headers["x-content-type-options"] == "nosniff" and answer.headers["x-frame-options"] == "DENY"
         assert "onsubmit=" not in answer.text and "onclick=" not in answer.text, path
+        assert "<script>" not in answer.text and "cdn." not in answer.text, path
 
 
 def test_the_sdk_drops_a_refused_batch_once_with_one_line_and_sends_the_next(
