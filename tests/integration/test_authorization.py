@@ -246,7 +246,6 @@ ROWS = [
     Row("GET", "/", PUBLIC, at("/")),
     Row("GET", "/openapi.json", PUBLIC, at("/openapi.json")),
     Row("GET", "/docs", PUBLIC, at("/docs")),
-    Row("GET", "/docs/oauth2-redirect", PUBLIC, at("/docs/oauth2-redirect")),
     Row("GET", "/redoc", PUBLIC, at("/redoc")),
     # --- dashboard pages (a cookie session; bearer tokens do not sign in)
     Row("GET", "/login", PUBLIC, at("/login")),

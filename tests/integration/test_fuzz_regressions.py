@@ -16,7 +16,8 @@ from scheduler.service import schedule_pass
 from server.db import session_scope
 from server.models import Job, TuningStudy
 from server.settings import Settings
-from tests.integration.test_api import AGENT, USER
+from tests.agent_tokens import CLUSTER_AGENT, as_agent, as_rank
+from tests.integration.test_api import USER
 
 NUL = "a\x00b"
 
@@ -63,7 +64,12 @@ def test_a_nul_where_text_is_stored_or_compared_answers_422(
     body: Any,
     field: str,
 ) -> None:
-    headers = USER if method == "GET" else AGENT
+    if method == "GET":
+        headers = USER
+    elif "register" in path:
+        headers = CLUSTER_AGENT
+    else:
+        headers = as_rank(client, allocation_id)  # who posts metrics and checkpoints
     answer = client.request(method, path.format(a=allocation_id), json=body, headers=headers)
     assert answer.status_code == 422, answer.text
     assert field in answer.json()["error"], answer.text
@@ -72,11 +78,12 @@ def test_a_nul_where_text_is_stored_or_compared_answers_422(
 def test_a_printed_nul_is_stored_as_a_replacement_character(client: TestClient, allocation_id: int) -> None:
     logs = {"lines": [{"rank": 0, "time": 1.0, "line": f"loss {NUL}"}]}
     assert (
-        client.post(f"/api/v1/agents/1/allocations/{allocation_id}/logs", json=logs, headers=AGENT).status_code == 204
+        client.post(f"/api/v1/agents/1/allocations/{allocation_id}/logs", json=logs, headers=as_agent(1)).status_code
+        == 204
     )
     exit_body = {"node_rank": 0, "exit_code": 1, "reason": f"rank 0 exited; its last stderr lines:\n{NUL}"}
     url = f"/api/v1/agents/1/allocations/{allocation_id}/exit"
-    assert client.post(url, json=exit_body, headers=AGENT).status_code == 204
+    assert client.post(url, json=exit_body, headers=as_agent(1)).status_code == 204
     job_id = client.get("/api/v1/jobs", headers=USER).json()[0]["id"]
     assert [line["line"] for line in client.get(f"/api/v1/jobs/{job_id}/logs", headers=USER).json()] == [
         "loss a\ufffdb"
