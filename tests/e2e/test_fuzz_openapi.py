@@ -64,17 +64,18 @@ def seeded(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 def seed(client: httpx.Client, database_url: str, data_dir: Path) -> dict[str, str]:
     """An agent, a placed job (its allocation, a checkpoint), a study, a plain user: their tokens."""
     body = {"name": "a0", "address": "127.0.0.1", "cpu_slots": 4}
-    agent_id = client.post("/api/v1/agents/register", json=body, headers=AGENT).json()["id"]
+    registered = client.post("/api/v1/agents/register", json=body, headers=AGENT).json()
+    agent_id, own = registered["id"], {"Authorization": f"Bearer {registered['agent_token']}"}
     spec = '{"name": "fuzz", "entrypoint": "python t.py", "resources": {"nodes": 1}}'
     assert client.post("/api/v1/jobs", files={"spec": (None, spec)}, headers=ADMIN).status_code == 201
     with session_scope(database_url) as session:
         schedule_pass(session)
-    (assignment,) = client.get(f"/api/v1/agents/{agent_id}/work", headers=AGENT).json()["assignments"]
+    (assignment,) = client.get(f"/api/v1/agents/{agent_id}/work", headers=own).json()["assignments"]
     path = f"file://{data_dir}/checkpoints/job-{assignment['job_id']}/step-1"
     checkpoint = client.post(
         f"/api/v1/allocations/{assignment['allocation_id']}/checkpoints",
         json={"step": 1, "path": path, "size_bytes": 1},
-        headers=AGENT,
+        headers={"Authorization": f"Bearer {assignment['credential']}"},
     )
     assert checkpoint.status_code == 201, checkpoint.text
     study = (
@@ -84,7 +85,9 @@ def seed(client: httpx.Client, database_url: str, data_dir: Path) -> dict[str, s
     assert client.post("/api/v1/studies", files={"spec": (None, study)}, headers=ADMIN).status_code == 201
     user = client.post("/api/v1/tokens", json={"kind": "user", "name": "fuzzer"}, headers=ADMIN)
     assert user.status_code == 201, user.text
-    return {"rank": assignment["credential"], "agent": AGENT_TOKEN, "user": user.json()["token"], "admin": ADMIN_TOKEN}
+    # the agent fuzzes with its own token (the cluster's only registers)
+    agent = registered["agent_token"]
+    return {"rank": assignment["credential"], "agent": agent, "user": user.json()["token"], "admin": ADMIN_TOKEN}
 
 
 @pytest.mark.parametrize("principal", PRINCIPALS)
