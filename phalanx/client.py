@@ -319,6 +319,9 @@ class Client:
     def drain_agent(self, agent_id: int) -> AgentView:
         return AgentView.model_validate_json(self._request("POST", f"/agents/{agent_id}/drain").content)
 
+    def undrain_agent(self, agent_id: int) -> AgentView:
+        return AgentView.model_validate_json(self._request("POST", f"/agents/{agent_id}/undrain").content)
+
     def create_token(self, kind: str, name: str, expires_in_s: int | None = None) -> TokenCreated:
         """Admin: a new token (a user token makes a new user); the value is shown once."""
         body = {"kind": kind, "name": name, "expires_in_s": expires_in_s}

@@ -214,6 +214,6 @@ def agent_acts_as(principal: Principal, agent_id: int) -> None:
 
 
 def may_drain_agents(principal: Principal) -> None:
-    """Draining takes slots from everyone's jobs: cluster admins only (403 otherwise)."""
+    """Draining (and undraining) changes everyone's slots: cluster admins only (403 otherwise)."""
     if not principal.is_admin:
-        raise Forbidden("draining an agent needs a cluster admin's token; ask an admin to drain it")
+        raise Forbidden("draining or undraining an agent needs a cluster admin's token; ask an admin")

@@ -4,8 +4,8 @@ An agent is ACTIVE, DRAINING (no new work; its attempts checkpoint and restart e
 (no heartbeat for the timeout, by the database clock). Each agent holds its own token, made at its
 first registration; a name stays with that agent until it is LOST. States change only through
 `server.transitions` (`AGENT_ALLOWED`): a restarted agent that re-registers stays DRAINING if it
-was drained, and only a LOST one becomes ACTIVE again. Functions flush, never commit, and note
-their effects in the session.
+was drained (a cluster admin undrains it), and a LOST one becomes ACTIVE when it registers again.
+Functions flush, never commit, and note their effects in the session.
 """
 
 from __future__ import annotations
@@ -108,6 +108,17 @@ def drain_agent(session: Session, agent: Agent) -> None:
         transition_agent(session, agent, AgentState.DRAINING)
     note_agent_work(session, [agent.id])
     end_attempts_on_agent(session, agent, Failure("infra", f"preempted: agent {agent.name} is draining", graceful=True))
+
+
+def undrain_agent(session: Session, agent: Agent) -> None:
+    """The (locked) agent takes work again; undraining an ACTIVE agent changes nothing, a LOST one
+    must register again first (409)."""
+    if agent.state == AgentState.DRAINING.value:
+        transition_agent(session, agent, AgentState.ACTIVE)
+        note_agent_work(session, [agent.id])
+        note_schedule(session)  # its slots are free for the queue
+    elif agent.state == AgentState.LOST.value:
+        raise Conflict(f"agent {agent.name} is lost; it takes work again once it registers")
 
 
 def declare_lost(session: Session, heartbeat_timeout: float) -> list[Agent]:

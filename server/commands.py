@@ -134,6 +134,14 @@ def drain_agent(session: Session, principal: Principal, agent_id: int) -> schema
         return views.agents(session, [agent])[0]
 
 
+def undrain_agent(session: Session, principal: Principal, agent_id: int) -> schemas.AgentView:
+    access.may_drain_agents(principal)
+    with session.begin():
+        agent = agents.get_agent(session, agent_id, lock=True)
+        agents.undrain_agent(session, agent)
+        return views.agents(session, [agent])[0]
+
+
 def create_token(session: Session, body: schemas.TokenRequest) -> schemas.TokenCreated:
     """A new user token makes a new user of that name (409 if it exists); an agent token names
     agents. The value is returned once and only its hash is stored. Only admins mint (the route's

@@ -56,7 +56,7 @@ STUDY_ALLOWED: dict[StudyState, frozenset[StudyState]] = {
 # becomes ACTIVE again. Drain is an operator's intent, so a LOST agent cannot be drained.
 AGENT_ALLOWED: dict[AgentState, frozenset[AgentState]] = {
     AgentState.ACTIVE: frozenset({AgentState.DRAINING, AgentState.LOST}),
-    AgentState.DRAINING: frozenset({AgentState.LOST}),
+    AgentState.DRAINING: frozenset({AgentState.ACTIVE, AgentState.LOST}),  # ACTIVE: undrained
     AgentState.LOST: frozenset({AgentState.ACTIVE}),
 }
 

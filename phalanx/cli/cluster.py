@@ -1,4 +1,4 @@
-"""The cluster: its agents (`agents list|drain`), API tokens (`tokens create|list|revoke`) and
+"""The cluster: its agents (`agents list|drain|undrain`), API tokens (`tokens create|list|revoke`) and
 teams (`teams create|list|show|add-member|remove-member`)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from phalanx.cli.output import JsonOpt, api, console, fail, print_json
-from phalanx.schemas import TeamView
+from phalanx.client import Client
+from phalanx.schemas import AgentView, TeamView
 
 agents_app = typer.Typer(help="Inspect agents (the nodes that run workers).", no_args_is_help=True)
 tokens_app = typer.Typer(help="API tokens: mint (admin), list and revoke.", no_args_is_help=True)
@@ -18,19 +19,33 @@ teams_app = typer.Typer(
 )
 
 
+def _find_agent(client: Client, agent: str) -> AgentView:
+    match = next((a for a in client.agents() if a.name == agent or str(a.id) == agent), None)
+    if match is None:
+        fail(f"no agent named {agent!r}; `phalanx agents list` shows them")
+    return match
+
+
 @agents_app.command("drain")
 def agents_drain(agent: Annotated[str, typer.Argument(help="Agent name or id.")], as_json: JsonOpt = False) -> None:
     """Place no more work on an agent; the jobs on it checkpoint, stop, and restart elsewhere."""
     with api() as client:
-        known = client.agents()
-        match = next((a for a in known if a.name == agent or str(a.id) == agent), None)
-        if match is None:
-            fail(f"no agent named {agent!r}; `phalanx agents list` shows them")
-        drained = client.drain_agent(match.id)
+        drained = client.drain_agent(_find_agent(client, agent).id)
     if as_json:
         print_json(drained)
     else:
         console.print(f"agent {drained.name} {drained.state.value}")
+
+
+@agents_app.command("undrain")
+def agents_undrain(agent: Annotated[str, typer.Argument(help="Agent name or id.")], as_json: JsonOpt = False) -> None:
+    """Place work on a drained agent again (cluster admins)."""
+    with api() as client:
+        undrained = client.undrain_agent(_find_agent(client, agent).id)
+    if as_json:
+        print_json(undrained)
+    else:
+        console.print(f"agent {undrained.name} {undrained.state.value}")
 
 
 @agents_app.command("list")

@@ -130,6 +130,12 @@ def drain(agent_id: RowId, session: SessionDep, user: UserDep) -> schemas.AgentV
     return commands.drain_agent(session, user, agent_id)
 
 
+@router.post("/{agent_id}/undrain", response_model=schemas.AgentView)
+def undrain(agent_id: RowId, session: SessionDep, user: UserDep) -> schemas.AgentView:
+    """Place work on a drained agent again (cluster admins)."""
+    return commands.undrain_agent(session, user, agent_id)
+
+
 @router.get("/{agent_id}/work", response_model=schemas.AgentWork)
 async def agent_work(
     agent_id: RowId,

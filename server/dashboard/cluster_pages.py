@@ -116,3 +116,9 @@ def slot_holders(session: Session, user: Principal) -> dict[tuple[int, str, int]
 def drain_agent(agent_id: RowId, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
     commands.drain_agent(session, user, agent_id)
     return RedirectResponse("/agents", status_code=303)
+
+
+@router.post("/agents/{agent_id}/undrain", response_model=None)
+def undrain_agent(agent_id: RowId, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
+    commands.undrain_agent(session, user, agent_id)
+    return RedirectResponse("/agents", status_code=303)

@@ -74,3 +74,8 @@ def test_only_a_cluster_admin_drains_an_agent(client: TestClient) -> None:
     assert client.get("/api/v1/agents", headers=USER).json()[0]["state"] == "ACTIVE"  # unchanged
     drained = client.post(f"/api/v1/agents/{agent_id}/drain", headers=USER)
     assert drained.status_code == 200 and drained.json()["state"] == "DRAINING"
+    assert client.post(f"/api/v1/agents/{agent_id}/undrain", headers=alice).status_code == 403
+    undrained = client.post(f"/api/v1/agents/{agent_id}/undrain", headers=USER)
+    assert undrained.status_code == 200 and undrained.json()["state"] == "ACTIVE"
+    again = client.post(f"/api/v1/agents/{agent_id}/undrain", headers=USER)
+    assert again.status_code == 200 and again.json()["state"] == "ACTIVE"  # nothing to undo

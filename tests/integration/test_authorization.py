@@ -154,6 +154,7 @@ ROWS = [
     # --- REST: agents
     Row("GET", "/api/v1/agents", ANY_USER, at("/api/v1/agents")),
     Row("POST", "/api/v1/agents/{agent_id}/drain", ADMIN_ONLY, at("/api/v1/agents/{w.idle_agent}/drain")),
+    Row("POST", "/api/v1/agents/{agent_id}/undrain", ADMIN_ONLY, at("/api/v1/agents/{w.idle_agent}/undrain")),
     Row("POST", "/api/v1/agents/{agent_id}/heartbeat", AGENT_SELF, at("/api/v1/agents/{w.agent}/heartbeat")),
     Row("GET", "/api/v1/agents/{agent_id}/work", AGENT_SELF, at("/api/v1/agents/{w.agent}/work")),
     Row(
@@ -269,6 +270,7 @@ ROWS = [
     Row("GET", "/overview", PAGE, at("/overview")),
     Row("GET", "/agents", PAGE, at("/agents")),
     Row("POST", "/agents/{agent_id}/drain", PAGE_ADMIN, at("/agents/{w.idle_agent}/drain"), form=lambda w: {}),
+    Row("POST", "/agents/{agent_id}/undrain", PAGE_ADMIN, at("/agents/{w.idle_agent}/undrain"), form=lambda w: {}),
     Row("GET", "/jobs", PAGE, at("/jobs")),
     Row("GET", "/jobs/{job_id}", PAGE_READ, at("/jobs/{w.job}")),
     Row("GET", "/jobs/{job_id}/chart-data", PAGE_READ, at("/jobs/{w.job}/chart-data")),

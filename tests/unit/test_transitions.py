@@ -167,6 +167,7 @@ def test_every_study_pair(session_maker, current: StudyState, target: StudyState
 AGENT_EXPECTED = {
     (AgentState.ACTIVE, AgentState.DRAINING),
     (AgentState.ACTIVE, AgentState.LOST),
+    (AgentState.DRAINING, AgentState.ACTIVE),  # undrained by a cluster admin
     (AgentState.DRAINING, AgentState.LOST),
     (AgentState.LOST, AgentState.ACTIVE),
 }
