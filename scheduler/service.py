@@ -17,10 +17,21 @@ from sqlalchemy.orm import Session
 
 from phalanx.schemas import AgentState, JobSpec, JobState
 from server import agents as agent_rules
-from server.attempts import Failure, end_attempt, lock_attempt, start_attempt
+from server import sharing
+from server.attempts import (
+    RUNNING_STATES,
+    Failure,
+    active_allocation,
+    end_attempt,
+    lock_attempt,
+    lock_job,
+    preempt_attempt,
+    start_attempt,
+)
 from server.models import Agent, Allocation, Job
-from server.placement import PendingJob, place
-from server.transitions import db_now, set_wait_reason
+from server.placement import Preemption, place
+from server.settings import get_settings
+from server.transitions import db_now, record_event, set_wait_reason
 from server.wakeups import noted_agents
 
 SCHEDULER_LOCK_KEY = 0x7068_616C  # "phal"
@@ -49,25 +60,33 @@ def schedule_pass(session: Session) -> set[int]:
         return set()
     agents = list(session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value).order_by(Agent.id)))
     by_id = {a.id: a for a in agents}
-    pending = [
-        PendingJob(
-            job_id=j.id,
-            priority=j.priority,
-            seq=j.id,
-            nodes=j.nodes,
-            slots_per_node=j.slots_per_node,
-            slot_type=j.slot_type,
-        )
-        for j in queued
-    ]
-    result = place(pending, agent_rules.agent_slot_views(session, agents))
+    settings = get_settings()
+    now = db_now(session)
+    policy = sharing.load_sharing(session, now, settings.fair_share_half_life, settings.preemption_min_runtime)
+    result = place(sharing.pending_jobs(session, queued), agent_rules.agent_slot_views(session, agents), policy)
     jobs = {j.id: j for j in queued}
     for placement in result.placements:
         start_attempt(session, jobs[placement.job_id], placement, by_id)
+    for preemption in result.preemptions:
+        _preempt(session, preemption, jobs[preemption.for_job_id], settings.preemption_grace)
     for job_id, reason in result.waiting.items():
         set_wait_reason(session, jobs[job_id], reason)
     session.flush()
     return noted_agents(session)
+
+
+def _preempt(session: Session, preemption: Preemption, for_job: Job, grace_s: float) -> None:
+    """Stop the victim's attempt gracefully (it requeues, costing no restart) and record the
+    preemption on both jobs. A victim that ended or was stopped meanwhile is left alone: the next
+    pass decides again from what is then true."""
+    victim = lock_job(session, preemption.job_id)
+    allocation = active_allocation(session, victim.id)
+    if victim.state not in RUNNING_STATES or allocation is None or allocation.end_reason is not None:
+        return
+    lock_attempt(session, allocation)
+    victim.preempted_by = for_job.id
+    preempt_attempt(session, victim, allocation, preemption.reason, grace_s)
+    record_event(session, for_job, f"preempting job {victim.id}: {preemption.reason}")
 
 
 def reap_pass(session: Session, heartbeat_timeout: float) -> set[int]:

@@ -7,9 +7,12 @@ Jobs and studies (a trial's job is in its study's team):
 Someone else's object that a principal may not read answers 404, as an unknown one does, so ids
 reveal nothing.
 
-Teams: members see their team and its members; team admins add and remove members and set roles;
-cluster admins create teams and manage all. Agents: every user lists them, with the names of only
-the jobs they may read; only a cluster admin drains one. Tokens: a user lists and revokes their
+Teams: members see their team and its members; team admins add and remove members, set roles, and
+hold their team's queue and jobs; cluster admins create teams, set their weights, guarantees and
+limits, and manage all. Usage: a cluster admin sees everyone's; a user their own and their teams'.
+The queue: everyone sees every job's place, but only the jobs they may read by name.
+Agents: every user lists them, with the names of only the jobs they may read; only a cluster
+admin drains one. Tokens: a user lists and revokes their
 own, a cluster admin all; only a cluster admin mints them.
 
 Machine principals: an agent's own token acts for that agent only (`agent_acts_as`); the cluster's
@@ -152,6 +155,29 @@ def may_manage_team(session: Session, principal: Principal, team: Team) -> None:
     """Members and roles: the team's admins and cluster admins (403 for its other members)."""
     if not (principal.is_admin or _role_in(session, principal, team.id) == "admin"):
         raise Forbidden(f"only an admin of team {team.name!r} or a cluster admin manages its members")
+
+
+def may_set_team_policy(principal: Principal) -> None:
+    """Weights, guarantees and limits trade one team's slots for another's: cluster admins only."""
+    if not principal.is_admin:
+        raise Forbidden("a team's weight, guarantees and limits are set by a cluster admin; ask one")
+
+
+def may_hold_team(session: Session, principal: Principal, team: Team) -> None:
+    """Holding a team's queue: its admins and cluster admins (403 for its other members)."""
+    if not (principal.is_admin or _role_in(session, principal, team.id) == "admin"):
+        raise Forbidden(f"only an admin of team {team.name!r} or a cluster admin holds or releases its queue")
+
+
+def job_to_hold(session: Session, principal: Principal, job_id: int) -> Job:
+    """The job, locked, if `principal` may hold it: an admin of its team or a cluster admin (404 if
+    they may not read it, else 403; its owner pauses it instead)."""
+    job = job_for(session, principal, job_id)
+    if not (principal.is_admin or _role_in(session, principal, job.team_id) == "admin"):
+        raise Forbidden(
+            f"only an admin of job {job_id}'s team or a cluster admin holds or releases it; its owner may pause it"
+        )
+    return lock_job(session, job_id)
 
 
 def may_create_teams(principal: Principal) -> None:

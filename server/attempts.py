@@ -35,8 +35,9 @@ RUNNING_STATES = (JobState.RUNNING.value, JobState.SCHEDULED.value)
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """Why an attempt ends early. `budget` says whose fault: the job's ("job") or the
-    infrastructure's ("infra"); `graceful` lets the workers checkpoint before they go."""
+    """Why an attempt ends early. `budget` says whose fault: the job's ("job"), the
+    infrastructure's ("infra"), or nobody's ("none": a preemption, which costs no restart);
+    `graceful` lets the workers checkpoint before they go."""
 
     budget: str
     reason: str
@@ -51,6 +52,8 @@ class Decision:
 
 def decide_restart(job: Job, failure: Failure) -> Decision:
     """Policy only: restart within the failure's budget, else fail. Pure: reads, never writes."""
+    if failure.budget == "none":
+        return Decision(True, f"queued again, costing no restart: {failure.reason}")
     spec = JobSpec.model_validate(job.spec)
     if failure.budget == "infra":
         used, limit, name = job.infra_restarts_used, spec.max_infra_restarts, "max_infra_restarts"
@@ -198,7 +201,7 @@ def _end_allocation(session: Session, job: Job, allocation: Allocation) -> None:
             return
         if failure.budget == "infra":
             job.infra_restarts_used += 1
-        else:
+        elif failure.budget == "job":
             job.restarts_used += 1
         transition(session, job, JobState.QUEUED, decision.reason)
         note_schedule(session)
@@ -261,6 +264,13 @@ def stop_for_user(session: Session, job: Job, target: JobState, reason: str, *, 
         allocation.end_reason = reason
     allocation.fenced = allocation.fenced or fence
     _stop_nodes(session, allocation, "stop")
+
+
+def preempt_attempt(session: Session, job: Job, allocation: Allocation, reason: str, grace_s: float) -> None:
+    """Stop the (locked) job's running attempt for another team's guarantee: its workers get
+    SIGTERM and `grace_s` to checkpoint; the job queues again and resumes, costing no restart."""
+    allocation.stop_grace = grace_s
+    end_attempt(session, job, allocation, Failure("none", f"preempted: {reason}", graceful=True))
 
 
 def end_attempts_on_agent(session: Session, agent: Agent, failure: Failure) -> None:

@@ -1,6 +1,7 @@
 """The use cases a person starts, written once for the REST API and the dashboard: submit, kill,
 pause and resume a job; submit, stop and resume a study; drain an agent; find a checkpoint to
-download; mint and revoke API tokens; create teams and manage their members. Routes and pages
+download; mint and revoke API tokens; create teams, manage their members, set their shares;
+hold and release a job or a team's queue. Routes and pages
 only parse the request, call one of these, and render the answer.
 
 Each function owns its transaction: it asks `server.access` whether the principal may do it
@@ -190,3 +191,29 @@ def remove_team_member(session: Session, principal: Principal, team_name: str, u
         access.may_manage_team(session, principal, team)
         teams.remove_member(session, team, user_name)
         return views.team(session, principal, team)
+
+
+def set_team_policy(
+    session: Session, principal: Principal, team_name: str, change: schemas.TeamPolicyRequest
+) -> schemas.TeamView:
+    """Weight, guarantees and limits (cluster admins); the next pass orders the queue by them."""
+    access.may_set_team_policy(principal)
+    with session.begin():
+        team = access.team_for(session, principal, team_name, lock=True)
+        teams.set_policy(session, team, change)
+        return views.team(session, principal, team)
+
+
+def hold_team(session: Session, principal: Principal, team_name: str, held: bool) -> schemas.TeamView:
+    with session.begin():
+        team = access.team_for(session, principal, team_name, lock=True)
+        access.may_hold_team(session, principal, team)
+        teams.set_queue_held(session, team, held)
+        return views.team(session, principal, team)
+
+
+def hold_job(session: Session, principal: Principal, job_id: int, held: bool) -> schemas.JobView:
+    with session.begin():
+        job = access.job_to_hold(session, principal, job_id)
+        jobs.set_held(session, job, held)
+        return views.job(session, job)

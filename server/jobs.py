@@ -105,3 +105,14 @@ def resume_job(session: Session, job: Job) -> None:
         raise Conflict(f"job {job.id} is {job.state}, not PAUSED; there is nothing to resume")
     transition(session, job, JobState.QUEUED, "resumed by user")
     note_schedule(session)
+
+
+def set_held(session: Session, job: Job, held: bool) -> None:
+    """Hold (or release) the (locked) job: while held it is never placed; a running job goes on and
+    waits only when it queues again. 409 for a job that ended."""
+    if JobState(job.state).is_terminal:
+        raise Conflict(f"job {job.id} is {job.state}: only a job that has not ended can be held or released")
+    job.held = held
+    session.flush()
+    note_job_change(session, job.id)
+    note_schedule(session)

@@ -81,6 +81,12 @@ class Team(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    # Its share of the cluster (`server.placement.TeamQuota`): slots by slot type, {} for none.
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    guarantee: Mapped[dict[str, int]] = mapped_column(JSON, default=dict, server_default="{}")
+    slot_limit: Mapped[dict[str, int]] = mapped_column(JSON, default=dict, server_default="{}")
+    user_limit: Mapped[dict[str, int]] = mapped_column(JSON, default=dict, server_default="{}")
+    queue_held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     members: Mapped[list[TeamMember]] = relationship(
         order_by="TeamMember.user_id", cascade="all, delete-orphan", back_populates="team"
@@ -159,6 +165,9 @@ class Job(Base):
     submitted_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
     started_at: Mapped[datetime | None] = mapped_column(DateTime)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+    held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # by an admin
+    # The job whose guarantee stopped this one's last attempt: it may never preempt that job back.
+    preempted_by: Mapped[int | None] = mapped_column(Integer)
 
     owner: Mapped[User] = relationship()
     team: Mapped[Team | None] = relationship()
@@ -197,8 +206,10 @@ class Allocation(Base):
     active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
     fenced: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     end_reason: Mapped[str | None] = mapped_column(Text)
-    end_budget: Mapped[str | None] = mapped_column(String(8))  # whose failure: "job" | "infra"
+    end_budget: Mapped[str | None] = mapped_column(String(8))  # whose failure: "job" | "infra" | "none" (preempted)
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
+    # Seconds its ranks get between SIGTERM and SIGKILL when stopped; None: the agent's own grace.
+    stop_grace: Mapped[float | None] = mapped_column(Float)
     # The secret of the attempt's own token (`auth.rank_token`): its ranks report with it, and it
     # reaches nothing else. Never returned by a user-facing view.
     credential: Mapped[str | None] = mapped_column(String(64))
@@ -232,7 +243,7 @@ class AllocationNode(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     reason: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime | None] = mapped_column(DateTime)
-    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime, index=True)  # usage accounting reads it
 
     allocation: Mapped[Allocation] = relationship(back_populates="nodes")
     agent: Mapped[Agent] = relationship()

@@ -37,6 +37,12 @@ class Settings(BaseSettings):
     max_held_requests_per_holder: int = Field(16, ge=1)
     max_held_requests: int = Field(1024, ge=1)
     schedule_interval: float = Field(3.0, gt=0)
+    # Fair sharing (`server/placement.py`): how fast past usage is forgiven (Slurm's
+    # PriorityDecayHalfLife), what a preempted job gets between SIGTERM and SIGKILL to checkpoint,
+    # and how long a job runs before it may be preempted at all.
+    fair_share_half_life: float = Field(3600.0, gt=0, le=365 * 86400)
+    preemption_grace: float = Field(30.0, ge=0, le=3600)
+    preemption_min_runtime: float = Field(60.0, ge=0, le=7 * 86400)
     # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a
     # shared filesystem, s3://, ...). Empty means <data_dir>/checkpoints.
     checkpoint_uri: str = ""

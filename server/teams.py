@@ -7,14 +7,16 @@ lose each other's change. Functions flush, never commit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from phalanx.schemas import SlotType, TeamPolicyRequest
 from server.auth import Principal
 from server.errors import Conflict, NotFound, Unprocessable
 from server.models import Team, TeamMember, User
+from server.wakeups import note_schedule
 
 ROLES = ("member", "admin")
 
@@ -63,6 +65,44 @@ def remove_member(session: Session, team: Team, user_name: str) -> None:
     session.delete(member)
     session.flush()
     session.expire(team, ["members"])
+
+
+def _merged(current: dict[str, int], change: Mapping[SlotType, int | None] | None) -> dict[str, int]:
+    if change is None:
+        return dict(current)
+    merged = dict(current)
+    for slot_type, count in change.items():
+        if count is None:
+            merged.pop(str(slot_type), None)
+        else:
+            merged[str(slot_type)] = count
+    return merged
+
+
+def set_policy(session: Session, team: Team, change: TeamPolicyRequest) -> None:
+    """Apply `change` to the (locked) team's weight, guarantees and limits; fields left out stay.
+    422 when a guarantee would exceed the team's limit (it could never be met)."""
+    guarantee = _merged(team.guarantee or {}, change.guarantee)
+    limit = _merged(team.slot_limit or {}, change.limit)
+    user_limit = _merged(team.user_limit or {}, change.user_limit)
+    for slot_type, slots in guarantee.items():
+        if slot_type in limit and slots > limit[slot_type]:
+            raise Unprocessable(
+                f"guarantee: team {team.name!r} would be guaranteed {slots} {slot_type} slots but limited to "
+                f"{limit[slot_type]}; raise the limit or lower the guarantee"
+            )
+    if change.weight is not None:
+        team.weight = change.weight
+    team.guarantee, team.slot_limit, team.user_limit = guarantee, limit, user_limit
+    session.flush()
+    note_schedule(session)  # the next pass orders the queue by the new shares
+
+
+def set_queue_held(session: Session, team: Team, held: bool) -> None:
+    """Hold (or release) the (locked) team's queue: its queued jobs wait; running ones go on."""
+    team.queue_held = held
+    session.flush()
+    note_schedule(session)
 
 
 def teams_of(session: Session, user_id: int | None) -> Sequence[tuple[Team, str]]:

@@ -146,6 +146,13 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
         note_study_change(session, study_id, trial_ended=target.is_terminal)
 
 
+def record_event(session: Session, job: Job, reason: str) -> None:
+    """An event that moves nothing (a preemption made for the job), in the job's history."""
+    state = JobState(job.state).value
+    session.add(JobEvent(job_id=job.id, time=db_now(session), from_state=state, to_state=state, reason=reason))
+    note_job_change(session, job.id)
+
+
 def set_wait_reason(session: Session, job: Job, reason: str) -> None:
     """Why a QUEUED job waits (the scheduling pass's sentence); only while it is still QUEUED."""
     if job.wait_reason != reason:

@@ -28,6 +28,8 @@ from server.models import (
     TuningTrial,
     User,
 )
+from server.queue_status import QueueSnapshot, queue_snapshot
+from server.settings import get_settings
 
 # Loader options for a query whose rows `job_detail` converts: events, attempts, nodes and agents
 # in four queries, whatever the number of attempts.
@@ -41,9 +43,12 @@ def job(session: Session, row: Job, *, latest: bool = True) -> schemas.JobView:
     return jobs(session, [row], latest=latest)[0]
 
 
-def jobs(session: Session, rows: Sequence[Job], *, latest: bool = True) -> list[schemas.JobView]:
+def jobs(
+    session: Session, rows: Sequence[Job], *, latest: bool = True, queue: QueueSnapshot | None = None
+) -> list[schemas.JobView]:
     """The rows as views, in their order, in at most three queries whatever their number: newest
-    metrics (`latest`), trials, and owners that the caller did not load."""
+    metrics (`latest`), trials, and owners that the caller did not load. With `queue`, each QUEUED
+    row says where it stands in line."""
     ids = [row.id for row in rows]
     metrics = latest_metrics_by_job(session, ids) if latest and ids else {}
     trials: dict[int, tuple[int, int]] = {}
@@ -76,9 +81,61 @@ def jobs(session: Session, rows: Sequence[Job], *, latest: bool = True) -> list[
                 latest_step=step,
                 study_id=trial[0] if trial else None,
                 trial_number=trial[1] if trial else None,
+                held=row.held,
+                queue=queue_place(queue, row) if queue is not None else None,
             )
         )
     return result
+
+
+def queue_snapshot_for(session: Session, rows: Sequence[Job]) -> QueueSnapshot | None:
+    """The queue's state, when some of the rows wait in it (one placement pass, so once per request)."""
+    if any(row.state == schemas.JobState.QUEUED.value for row in rows):
+        return queue_snapshot(session, get_settings())
+    return None
+
+
+def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot, limit: int) -> schemas.QueueView:
+    """The queue in placement order, then the held jobs; jobs outside `readable` without their name,
+    owner or id."""
+    held = sorted(job_id for job_id in queue.jobs if job_id not in queue.positions)
+    shown = [queue.jobs[job_id] for job_id in [*queue.order, *held][:limit]]
+    owners = owner_names(session, shown)
+    entries = []
+    for row in shown:
+        visible = row.id in readable
+        entries.append(
+            schemas.QueueEntry(
+                position=queue.positions.get(row.id),
+                team_position=queue.team_positions.get(row.id),
+                job_id=row.id if visible else None,
+                name=row.name if visible else None,
+                owner=owners[row.owner_id] if visible else None,
+                team=row.spec.get("team"),
+                priority=row.priority,
+                nodes=row.nodes,
+                slots_per_node=row.slots_per_node,
+                slot_type=schemas.SlotType(row.slot_type),
+                held=row.held,
+                reason=queue.reasons.get(row.id, ""),  # names other jobs by id and team only
+                estimated_start=queue.estimates.get(row.id),
+                submitted_at=row.submitted_at,
+            )
+        )
+    return schemas.QueueView(entries=entries, queued=len(queue.jobs), estimated_at=queue.now)
+
+
+def queue_place(queue: QueueSnapshot, row: Job) -> schemas.QueuePlace | None:
+    if row.state != schemas.JobState.QUEUED.value:
+        return None
+    return schemas.QueuePlace(
+        position=queue.positions.get(row.id),
+        team_position=queue.team_positions.get(row.id),
+        queued=len(queue.order),
+        reason=queue.reasons.get(row.id) or row.wait_reason or "",
+        estimated_start=queue.estimates.get(row.id),
+        estimate=queue.estimate_note(row.id),
+    )
 
 
 def owner_names(session: Session, rows: Sequence[Job | TuningStudy]) -> dict[int, str]:
@@ -94,7 +151,7 @@ def owner_names(session: Session, rows: Sequence[Job | TuningStudy]) -> dict[int
 
 def job_detail(session: Session, row: Job) -> schemas.JobDetail:
     return schemas.JobDetail(
-        **job(session, row).model_dump(),
+        **jobs(session, [row], queue=queue_snapshot_for(session, [row]))[0].model_dump(),
         events=[
             schemas.JobEventView(
                 time=e.time,
@@ -325,7 +382,29 @@ def team(session: Session, principal: Principal, row: Team) -> schemas.TeamView:
 
 
 def teams(session: Session, principal: Principal, rows: Sequence[Team]) -> list[schemas.TeamView]:
-    """The teams with their members (loaded with the rows by `access.visible_teams`)."""
+    """The teams with their members (loaded with the rows by `access.visible_teams`), their shares,
+    what they hold now and how many of their jobs wait."""
+    ids = [row.id for row in rows]
+    holding: dict[int | None, dict[str, int]] = defaultdict(dict)
+    queued: dict[int | None, int] = {}
+    if ids:
+        held_slots = (
+            select(Job.team_id, SlotLease.slot_type, func.count())
+            .select_from(SlotLease)
+            .join(AllocationNode, SlotLease.node_id == AllocationNode.id)
+            .join(Allocation, AllocationNode.allocation_id == Allocation.id)
+            .join(Job, Allocation.job_id == Job.id)
+            .where(Job.team_id.in_(ids))
+            .group_by(Job.team_id, SlotLease.slot_type)
+        )
+        for team_id, slot_type, count in session.execute(held_slots):
+            holding[team_id][slot_type] = count
+        waiting = (
+            select(Job.team_id, func.count())
+            .where(Job.team_id.in_(ids), Job.state == schemas.JobState.QUEUED.value)
+            .group_by(Job.team_id)
+        )
+        queued = {team_id: count for team_id, count in session.execute(waiting)}
     result = []
     for row in rows:
         members = [schemas.TeamMemberView(user=m.user.name, role=_role(m.role)) for m in row.members]
@@ -337,6 +416,13 @@ def teams(session: Session, principal: Principal, rows: Sequence[Team]) -> list[
                 created_at=row.created_at,
                 members=sorted(members, key=lambda m: m.user),
                 your_role=_role(mine) if mine else None,
+                weight=row.weight,
+                guarantee=dict(row.guarantee or {}),
+                limit=dict(row.slot_limit or {}),
+                user_limit=dict(row.user_limit or {}),
+                queue_held=row.queue_held,
+                holding=holding.get(row.id, {}),
+                queued=queued.get(row.id, 0),
             )
         )
     return result

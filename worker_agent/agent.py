@@ -174,8 +174,9 @@ class NodeRunner(threading.Thread):
     def update(self, assignment: Assignment | None) -> None:
         """A newer view from the server; None means the server no longer knows this node.
 
-        "stop" gives the ranks `kill_grace` seconds after SIGTERM (to checkpoint); "kill" and a
-        forgotten node get SIGKILL at once: their attempt is over and fenced."""
+        "stop" gives the ranks the assignment's `stop_grace` (else `kill_grace`) seconds after
+        SIGTERM to checkpoint; "kill" and a forgotten node get SIGKILL at once: their attempt is over
+        and fenced."""
         with self._changed:
             wanted = "kill" if assignment is None else assignment.desired
             if assignment is not None:
@@ -185,8 +186,12 @@ class NodeRunner(threading.Thread):
             self._changed.notify_all()
             process = self._process
         if wanted in ("stop", "kill") and process is not None:
-            grace = 0.0 if wanted == "kill" else self.agent.config.kill_grace
+            grace = 0.0 if wanted == "kill" else self._stop_grace()
             threading.Thread(target=process.stop, args=(grace,), daemon=True).start()
+
+    def _stop_grace(self) -> float:
+        chosen = self._assignment.stop_grace
+        return self.agent.config.kill_grace if chosen is None else chosen
 
     def run(self) -> None:
         a = self._assignment

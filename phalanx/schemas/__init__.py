@@ -79,10 +79,14 @@ from phalanx.schemas.views import (
     MetricPoint,
     NodeView,
     ParamImportances,
+    QueueEntry,
+    QueuePlace,
+    QueueView,
     Study,
     StudyBest,
     StudyDetail,
     TeamMemberView,
+    TeamPolicyRequest,
     TeamRequest,
     TeamRole,
     TeamView,
@@ -90,6 +94,8 @@ from phalanx.schemas.views import (
     TokenRequest,
     TokenView,
     TrialView,
+    UsageReport,
+    UsageRow,
 )
 
 __all__ = [
@@ -145,6 +151,9 @@ __all__ = [
     "PercentilePruner",
     "Precision",
     "Pruner",
+    "QueueEntry",
+    "QueuePlace",
+    "QueueView",
     "RandomSampler",
     "Rendezvous",
     "Resources",
@@ -158,6 +167,7 @@ __all__ = [
     "StudyState",
     "SuccessiveHalvingPruner",
     "TeamMemberView",
+    "TeamPolicyRequest",
     "TeamRequest",
     "TeamRole",
     "TeamView",
@@ -168,4 +178,6 @@ __all__ = [
     "TrialState",
     "TrialTemplate",
     "TrialView",
+    "UsageReport",
+    "UsageRow",
 ]

@@ -69,6 +69,8 @@ class Assignment(WireModel):
     master_addr: str
     master_port: int | None
     desired: Literal["run", "stop", "kill"]
+    # Seconds between SIGTERM and SIGKILL for "stop"; None: the agent's own `--kill-grace`.
+    stop_grace: float | None = None
     entrypoint: str
     env: dict[str, str]
     hyperparameters: dict[str, Any]

@@ -117,13 +117,22 @@ class JobSpec(SpecModel):
     precision: Precision = Precision.FP32
     max_restarts: int = Field(0, ge=0, le=1000, description="Restarts after the job's own failures.")
     max_infra_restarts: int = Field(
-        10, ge=0, le=1000, description="Restarts after lost agents and preemptions (a separate budget)."
+        10,
+        ge=0,
+        le=1000,
+        description="Restarts after lost agents and drains (a budget of its own); preemption costs none.",
     )
     hang_timeout: float | None = Field(
         None, ge=5, description="Restart when no rank reports a step for this many seconds."
     )
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
-    priority: int = Field(50, ge=0, le=100)
+    priority: int = Field(50, ge=0, le=100, description="Orders the jobs of one team: higher first.")
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        le=10**15,
+        description="The steps the job runs in all: lets the queue estimate when the jobs behind it start.",
+    )
     env: Annotated[
         dict[
             Annotated[str, Field(max_length=MAX_ENV_KEY_CHARS)],

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from phalanx.schemas._base import NAME_PATTERN, MetricValue, StrictModel, WireModel
-from phalanx.schemas.enums import AgentState, Direction, JobState, NodeState, StudyState, TrialState
+from phalanx.schemas.enums import AgentState, Direction, JobState, NodeState, SlotType, StudyState, TrialState
 from phalanx.schemas.specs import JobSpec, StudySpec
 
 
@@ -45,6 +45,17 @@ class AllocationView(WireModel):
     nodes: list[NodeView]
 
 
+class QueuePlace(WireModel):
+    """Where a QUEUED job stands: its place in line (1 is next), and when it may start."""
+
+    position: int | None  # in the whole queue, in placement order; None: held, or it can never run
+    team_position: int | None  # among its team's queued jobs
+    queued: int  # jobs in line in all
+    reason: str  # why it waits now
+    estimated_start: datetime | None  # from the running jobs' progress; None: no estimate
+    estimate: str  # how the estimate was made, or why there is none
+
+
 class JobView(WireModel):
     id: int
     name: str
@@ -65,6 +76,8 @@ class JobView(WireModel):
     latest_step: int | None = None
     study_id: int | None = None  # set for a trial job of a hyperparameter study
     trial_number: int | None = None
+    held: bool = False  # held by an admin: it waits until released
+    queue: QueuePlace | None = None  # QUEUED jobs only
 
 
 class JobDetail(JobView):
@@ -148,6 +161,19 @@ class MembershipRequest(StrictModel):
     role: TeamRole = "member"
 
 
+SlotCount = Annotated[int, Field(ge=0, le=1_000_000)]
+
+
+class TeamPolicyRequest(StrictModel):
+    """What `phalanx teams set` changes; a field left out stays as it is. In each mapping a slot type
+    set to null drops that guarantee or limit."""
+
+    weight: Annotated[float, Field(gt=0, le=1000)] | None = None
+    guarantee: dict[SlotType, SlotCount | None] | None = None
+    limit: dict[SlotType, SlotCount | None] | None = None
+    user_limit: dict[SlotType, SlotCount | None] | None = None
+
+
 class TeamMemberView(WireModel):
     user: str
     role: TeamRole
@@ -161,6 +187,54 @@ class TeamView(WireModel):
     created_at: datetime
     members: list[TeamMemberView]
     your_role: TeamRole | None  # None: you are a cluster admin outside the team
+    weight: float = 1.0
+    guarantee: dict[str, int] = Field(default_factory=dict)  # slot type -> slots it can reclaim
+    limit: dict[str, int] = Field(default_factory=dict)  # slot type -> the most it may hold
+    user_limit: dict[str, int] = Field(default_factory=dict)  # slot type -> the most one member may hold
+    queue_held: bool = False
+    holding: dict[str, int] = Field(default_factory=dict)  # slot type -> slots its jobs hold now
+    queued: int = 0  # its jobs waiting in line
+
+
+class QueueEntry(WireModel):
+    """One job in line, in placement order. Jobs you may not read show no name, owner or id."""
+
+    position: int | None  # None: held (it is not in line until released)
+    team_position: int | None
+    job_id: int | None
+    name: str | None
+    owner: str | None
+    team: str | None
+    priority: int
+    nodes: int
+    slots_per_node: int
+    slot_type: SlotType
+    held: bool
+    reason: str
+    estimated_start: datetime | None
+    submitted_at: datetime
+
+
+class QueueView(WireModel):
+    entries: list[QueueEntry]
+    queued: int  # all jobs in line, including those not shown
+    estimated_at: datetime  # the database clock when the queue was read
+
+
+class UsageRow(WireModel):
+    user: str
+    team: str | None  # None: the user's own jobs
+    slot_type: SlotType
+    slot_hours: float
+    jobs: int  # jobs that held slots in the period
+
+
+class UsageReport(WireModel):
+    since: datetime
+    until: datetime
+    rows: list[UsageRow]  # ordered by team, user, slot type
+    by_team: dict[str, float]  # team name ("" for no team) -> slot-hours, all slot types
+    by_slot_type: dict[str, float]
 
 
 class TokenRequest(StrictModel):

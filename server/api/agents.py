@@ -100,6 +100,7 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
                     master_addr=allocation.master_addr,
                     master_port=allocation.master_port,
                     desired=node.desired if node.desired in ("stop", "kill") else "run",
+                    stop_grace=allocation.stop_grace,
                     entrypoint=spec.entrypoint,
                     env=spec.env,
                     hyperparameters=spec.hyperparameters,

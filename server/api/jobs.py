@@ -61,7 +61,8 @@ def list_jobs(
     if state is not None:
         query = query.where(Job.state == state.value)
     with session.begin():
-        return views.jobs(session, list(session.scalars(query)))
+        rows = list(session.scalars(query))
+        return views.jobs(session, rows, queue=views.queue_snapshot_for(session, rows))
 
 
 def _load_job_detail(session: Session, user: Principal, job_id: int) -> schemas.JobDetail:
@@ -106,6 +107,17 @@ async def show_job(
 @router.post("/{job_id}/kill", response_model=schemas.JobView)
 def kill_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
     return commands.kill_job(session, user, job_id)
+
+
+@router.post("/{job_id}/hold", response_model=schemas.JobView)
+def hold_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
+    """Keep the job from being placed until released (an admin of its team, a cluster admin)."""
+    return commands.hold_job(session, user, job_id, True)
+
+
+@router.post("/{job_id}/release", response_model=schemas.JobView)
+def release_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
+    return commands.hold_job(session, user, job_id, False)
 
 
 @router.get("/{job_id}/logs", response_model=list[schemas.LogRecord])

@@ -35,6 +35,23 @@ def show_team(team: Name, session: SessionDep, user: UserDep) -> schemas.TeamVie
         return views.team(session, user, access.team_for(session, user, team))
 
 
+@router.patch("/{team}", response_model=schemas.TeamView)
+def set_policy(team: Name, body: schemas.TeamPolicyRequest, session: SessionDep, user: UserDep) -> schemas.TeamView:
+    """Set the team's weight, guarantees and limits (cluster admins); fields left out stay as they are."""
+    return commands.set_team_policy(session, user, team, body)
+
+
+@router.post("/{team}/hold", response_model=schemas.TeamView)
+def hold_team(team: Name, session: SessionDep, user: UserDep) -> schemas.TeamView:
+    """Hold the team's queue: its queued jobs wait until released (the team's admins, cluster admins)."""
+    return commands.hold_team(session, user, team, True)
+
+
+@router.post("/{team}/release", response_model=schemas.TeamView)
+def release_team(team: Name, session: SessionDep, user: UserDep) -> schemas.TeamView:
+    return commands.hold_team(session, user, team, False)
+
+
 @router.put("/{team}/members/{member}", response_model=schemas.TeamView)
 def set_member(
     team: Name, member: Name, body: schemas.MembershipRequest, session: SessionDep, user: UserDep

@@ -1,0 +1,113 @@
+"""Where every queued job stands: its place in line, why it waits, and when it may start.
+
+Read-only: it runs the placement policy (`server.placement.place`) over what the database holds
+now, exactly as the next scheduling pass would, so a position is the order that pass would consider
+the job in; then `server.forecast` replays the running jobs' ends for start estimates. Nothing is
+written: the scheduling pass stays the only writer of `wait_reason`.
+
+Cost: one placement pass and at most a few dozen small ones per call, so a page or a `jobs list`
+computes it once per request, not once per job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from phalanx.schemas import AgentState, JobSpec, JobState
+from server import agents as agent_rules
+from server import sharing
+from server.forecast import estimate_starts
+from server.models import Agent, Allocation, AllocationNode, Job
+from server.placement import place
+from server.settings import Settings
+from server.transitions import db_now
+
+NEXT_PASS = "it starts at the scheduler's next pass"
+NO_ESTIMATE = (
+    "no estimate: the jobs it waits for have not declared total_steps in their job file, or have not reported steps yet"
+)
+
+
+@dataclass
+class QueueSnapshot:
+    now: datetime
+    order: list[int] = field(default_factory=list)  # job ids in line, in placement order
+    positions: dict[int, int] = field(default_factory=dict)  # 1 is next
+    team_positions: dict[int, int] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)  # every QUEUED job, held ones included
+    estimates: dict[int, datetime] = field(default_factory=dict)
+    jobs: dict[int, Job] = field(default_factory=dict)
+
+    def estimate_note(self, job_id: int) -> str:
+        if job_id in self.estimates:
+            if self.estimates[job_id] <= self.now:
+                return "now: slots it fits in are free"
+            return "from the running jobs' reported steps and declared total_steps"
+        if job_id not in self.positions:
+            return "no estimate while it is held or can never run"
+        return NO_ESTIMATE
+
+
+def remaining_seconds(session: Session, now: datetime, grace_s: float) -> dict[int, float]:
+    """Running job id -> seconds until it ends, for the jobs that declared `total_steps` and report
+    steps (and the ones already stopping: their grace at most)."""
+    started = (
+        select(AllocationNode.allocation_id, func.min(AllocationNode.started_at).label("started"))
+        .group_by(AllocationNode.allocation_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(Job.id, Job.state, Job.spec, Allocation.end_reason, Allocation.latest_step, Allocation.resume_step)
+        .add_columns(started.c.started)
+        .join(Allocation, Allocation.job_id == Job.id)
+        .join(started, started.c.allocation_id == Allocation.id)
+        .where(Allocation.active.is_(True))
+    ).all()
+    remaining: dict[int, float] = {}
+    for job_id, state, spec, end_reason, latest, resumed, began in rows:
+        if end_reason is not None or state not in (JobState.RUNNING.value, JobState.SCHEDULED.value):
+            remaining[job_id] = grace_s
+            continue
+        total = JobSpec.model_validate(spec).total_steps
+        if total is None or latest is None or began is None:
+            continue
+        elapsed = (now - began).total_seconds()
+        done = latest - (resumed or 0)
+        if elapsed <= 0 or done <= 0:
+            continue
+        remaining[job_id] = max(0.0, (total - latest) * elapsed / done)
+    return remaining
+
+
+def queue_snapshot(session: Session, settings: Settings) -> QueueSnapshot:
+    now = db_now(session)
+    snapshot = QueueSnapshot(now=now)
+    queued = list(session.scalars(select(Job).where(Job.state == JobState.QUEUED.value).order_by(Job.id)))
+    if not queued:
+        return snapshot
+    snapshot.jobs = {job.id: job for job in queued}
+    agents = list(session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value).order_by(Agent.id)))
+    slots = agent_rules.agent_slot_views(session, agents)
+    policy = sharing.load_sharing(session, now, settings.fair_share_half_life, settings.preemption_min_runtime)
+    pending = sharing.pending_jobs(session, queued)
+    result = place(pending, slots, policy)
+    snapshot.order = list(result.order)
+    by_team: dict[str, int] = {}
+    by_id = {job.job_id: job for job in pending}
+    for position, job_id in enumerate(result.order, start=1):
+        snapshot.positions[job_id] = position
+        team = by_id[job_id].team
+        by_team[team] = by_team.get(team, 0) + 1
+        snapshot.team_positions[job_id] = by_team[team]
+    snapshot.reasons = dict(result.waiting)
+    for placement in result.placements:
+        snapshot.reasons[placement.job_id] = NEXT_PASS
+    in_line = [by_id[job_id] for job_id in result.order]
+    remaining = remaining_seconds(session, now, settings.preemption_grace)
+    for job_id, seconds in estimate_starts(in_line, slots, policy, remaining).items():
+        snapshot.estimates[job_id] = now + timedelta(seconds=seconds)
+    return snapshot

@@ -1,0 +1,191 @@
+"""What fair sharing reads from the database: the queue as `PendingJob`s, each team's quota, the
+jobs holding slots, and each team's decayed usage. `server.placement` decides from these; this
+module only reads.
+
+Usage is derived from allocation rows alone (placement time, node end time, slot count), so it
+survives a restart of every component and needs no counter of its own. A slot counts from its
+attempt's placement until its node exited: queued-for-launch and stopping time is charged, since
+nobody else could use the slot then either.
+
+Decayed usage, like Slurm's: a slot-second ``a`` seconds ago counts ``2 ** (-a / half_life)``.
+Divided by ``half_life / ln 2`` it is in *slots*: a team that held ``s`` slots for long enough has a
+decayed usage of ``s``, so it adds to what the team holds now on the same scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from phalanx.schemas import JobState
+from server.models import Allocation, AllocationNode, Job, SlotLease, Team, User
+from server.placement import PendingJob, RunningJob, Sharing, TeamQuota
+
+# Older slot-seconds count less than 2**-10 of new ones: past this many half-lives they are skipped.
+HALF_LIVES_READ = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInterval:
+    """Slots one node of one attempt held, from its placement to its exit (None: still held)."""
+
+    user: str
+    team: str  # "" : no team
+    slot_type: str
+    slots: int
+    job_id: int
+    start: datetime
+    end: datetime | None
+
+
+def decayed_slots(interval_start: datetime, interval_end: datetime, now: datetime, half_life_s: float) -> float:
+    """The decayed slot-seconds of one slot held over the interval, in slots (see the module doc)."""
+    age_end = max(0.0, (now - interval_end).total_seconds())
+    age_start = max(age_end, (now - interval_start).total_seconds())
+    # The integral of 2**(-a/h) da from age_end to age_start, times ln2/h.
+    return float(2.0 ** (-age_end / half_life_s) - 2.0 ** (-age_start / half_life_s))
+
+
+def decayed_usage(intervals: Iterable[SlotInterval], now: datetime, half_life_s: float) -> dict[tuple[str, str], float]:
+    """(team, slot type) -> decayed usage in slots. Pure."""
+    usage: dict[tuple[str, str], float] = {}
+    for interval in intervals:
+        held = decayed_slots(interval.start, interval.end or now, now, half_life_s) * interval.slots
+        key = (interval.team, interval.slot_type)
+        usage[key] = usage.get(key, 0.0) + held
+    return usage
+
+
+def slot_intervals(session: Session, since: datetime, until: datetime) -> list[SlotInterval]:
+    """Every node that held slots at some time in [since, until)."""
+    rows = session.execute(
+        select(
+            User.name,
+            Team.name,
+            AllocationNode.slot_type,
+            AllocationNode.slot_indices,
+            Job.id,
+            Allocation.created_at,
+            AllocationNode.ended_at,
+        )
+        .join(Allocation, AllocationNode.allocation_id == Allocation.id)
+        .join(Job, Allocation.job_id == Job.id)
+        .join(User, Job.owner_id == User.id)
+        .outerjoin(Team, Job.team_id == Team.id)
+        .where(
+            Allocation.created_at < until,
+            or_(AllocationNode.ended_at.is_(None), AllocationNode.ended_at >= since),
+        )
+    ).all()
+    return [
+        SlotInterval(user, team or "", slot_type, len(indices or ()), job_id, start, end)
+        for user, team, slot_type, indices, job_id, start, end in rows
+    ]
+
+
+def team_quotas(session: Session) -> dict[str, TeamQuota]:
+    return {
+        team.name: TeamQuota(
+            weight=team.weight,
+            guarantee=dict(team.guarantee or {}),
+            limit=dict(team.slot_limit or {}),
+            user_limit=dict(team.user_limit or {}),
+            held=team.queue_held,
+        )
+        for team in session.scalars(select(Team))
+    }
+
+
+def running_jobs(session: Session, now: datetime) -> list[RunningJob]:
+    """Every job holding slots now, from the slot leases (the truth of what is held)."""
+    rows = session.execute(
+        select(
+            Job.id,
+            Team.name,
+            User.name,
+            Job.state,
+            Job.priority,
+            Allocation.created_at,
+            Allocation.end_reason,
+            SlotLease.slot_type,
+            SlotLease.agent_id,
+            func.count(),
+        )
+        .select_from(SlotLease)
+        .join(AllocationNode, SlotLease.node_id == AllocationNode.id)
+        .join(Allocation, AllocationNode.allocation_id == Allocation.id)
+        .join(Job, Allocation.job_id == Job.id)
+        .join(User, Job.owner_id == User.id)
+        .outerjoin(Team, Job.team_id == Team.id)
+        .group_by(
+            Job.id,
+            Team.name,
+            User.name,
+            Job.state,
+            Job.priority,
+            Allocation.id,
+            SlotLease.slot_type,
+            SlotLease.agent_id,
+        )
+        .order_by(Job.id, SlotLease.agent_id)
+    ).all()
+    slots: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    first: dict[tuple[int, str], RunningJob] = {}
+    for job_id, team, user, state, priority, placed_at, end_reason, slot_type, agent_id, count in rows:
+        key = (job_id, slot_type)
+        slots.setdefault(key, []).append((agent_id, count))
+        if key not in first:
+            leaving = end_reason is not None or state not in (JobState.RUNNING.value, JobState.SCHEDULED.value)
+            runtime = max(0.0, (now - placed_at).total_seconds())
+            first[key] = RunningJob(job_id, team or "", user, slot_type, priority, (), runtime, leaving)
+    return [replace(run, slots=tuple(slots[key])) for key, run in first.items()]
+
+
+def load_sharing(session: Session, now: datetime, half_life_s: float, min_runtime_s: float) -> Sharing:
+    intervals = slot_intervals(session, now - timedelta(seconds=half_life_s * HALF_LIVES_READ), now)
+    return Sharing(
+        teams=team_quotas(session),
+        usage=decayed_usage(intervals, now, half_life_s),
+        running=running_jobs(session, now),
+        min_runtime_s=min_runtime_s,
+    )
+
+
+def pending_jobs(session: Session, jobs: Sequence[Job]) -> list[PendingJob]:
+    """The QUEUED jobs as the placement sees them (their team and owner names loaded in one query)."""
+    ids = [job.id for job in jobs]
+    names = {
+        job_id: (team or "", user)
+        for job_id, team, user in session.execute(
+            select(Job.id, Team.name, User.name)
+            .join(User, Job.owner_id == User.id)
+            .outerjoin(Team, Job.team_id == Team.id)
+            .where(Job.id.in_(ids))
+        )
+    }
+    return [
+        PendingJob(
+            job_id=job.id,
+            priority=job.priority,
+            seq=job.id,
+            nodes=job.nodes,
+            slots_per_node=job.slots_per_node,
+            slot_type=job.slot_type,
+            team=names[job.id][0],
+            user=names[job.id][1],
+            held=job.held,
+            preempted_by=job.preempted_by,
+        )
+        for job in jobs
+    ]
+
+
+def slot_hours(interval: SlotInterval, since: datetime, until: datetime) -> float:
+    """The slot-hours of one interval that fall within [since, until)."""
+    start = max(interval.start, since)
+    end = min(interval.end or until, until)
+    return max(0.0, (end - start).total_seconds()) * interval.slots / 3600.0
