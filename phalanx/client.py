@@ -13,7 +13,8 @@ import io
 import os
 import tarfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,14 +37,17 @@ from phalanx.schemas import (
     LogRecord,
     MetricPoint,
     ParamImportances,
+    QueueView,
     Study,
     StudyBest,
     StudyDetail,
     StudySpec,
     StudyState,
+    TeamPolicyRequest,
     TeamView,
     TokenCreated,
     TokenView,
+    UsageReport,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -352,6 +356,46 @@ class Client:
 
     def remove_team_member(self, team: str, user: str) -> TeamView:
         return TeamView.model_validate_json(self._request("DELETE", f"/teams/{team}/members/{user}").content)
+
+    def set_team_policy(
+        self,
+        team: str,
+        *,
+        weight: float | None = None,
+        guarantee: Mapping[str, int | None] | None = None,
+        limit: Mapping[str, int | None] | None = None,
+        user_limit: Mapping[str, int | None] | None = None,
+    ) -> TeamView:
+        """Cluster admin: the team's fair-share weight, and per slot type its guarantee, its limit and
+        each member's limit (None for a slot type drops it); what is left out stays as it is."""
+        body = TeamPolicyRequest.model_validate(
+            {"weight": weight, "guarantee": guarantee, "limit": limit, "user_limit": user_limit}
+        )
+        response = self._request("PATCH", f"/teams/{team}", json=body.model_dump(mode="json", exclude_none=True))
+        return TeamView.model_validate_json(response.content)
+
+    def hold_team(self, team: str) -> TeamView:
+        """The team's queued jobs wait until `release_team` (its admins, cluster admins)."""
+        return TeamView.model_validate_json(self._request("POST", f"/teams/{team}/hold").content)
+
+    def release_team(self, team: str) -> TeamView:
+        return TeamView.model_validate_json(self._request("POST", f"/teams/{team}/release").content)
+
+    def hold_job(self, job_id: int) -> JobView:
+        """The job is not placed until `release_job` (an admin of its team, a cluster admin)."""
+        return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/hold").content)
+
+    def release_job(self, job_id: int) -> JobView:
+        return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/release").content)
+
+    def queue(self, limit: int = 1000) -> QueueView:
+        """The queued jobs in placement order, each with its place, reason and estimated start."""
+        return self._get(QueueView, "/queue", params={"limit": limit})
+
+    def usage(self, since: datetime | None = None, until: datetime | None = None) -> UsageReport:
+        """Slot-hours by user, team and slot type (default: the last 7 days)."""
+        params = {key: value.isoformat() for key, value in (("since", since), ("until", until)) if value is not None}
+        return self._get(UsageReport, "/usage", params=params)
 
     # --- agent protocol ---------------------------------------------------------------------------
 

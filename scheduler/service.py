@@ -30,7 +30,7 @@ from server.attempts import (
 )
 from server.models import Agent, Allocation, Job
 from server.placement import Preemption, place
-from server.settings import get_settings
+from server.settings import Settings, get_settings
 from server.transitions import db_now, record_event, set_wait_reason
 from server.wakeups import noted_agents
 
@@ -42,8 +42,9 @@ def _serialise(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
 
 
-def schedule_pass(session: Session) -> set[int]:
-    """Place queued gangs on free slots. Returns the agents that got work."""
+def schedule_pass(session: Session, settings: Settings | None = None) -> set[int]:
+    """Place queued gangs on free slots by fair share, and preempt borrowed slots for the jobs a
+    team's guarantee entitles. Returns the agents that got work."""
     _serialise(session)
     # A job whose previous attempt still has workers waits for them: never two attempts at once.
     still_running = select(Allocation.job_id).where(Allocation.active.is_(True))
@@ -60,7 +61,7 @@ def schedule_pass(session: Session) -> set[int]:
         return set()
     agents = list(session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value).order_by(Agent.id)))
     by_id = {a.id: a for a in agents}
-    settings = get_settings()
+    settings = settings or get_settings()
     now = db_now(session)
     policy = sharing.load_sharing(session, now, settings.fair_share_half_life, settings.preemption_min_runtime)
     result = place(sharing.pending_jobs(session, queued), agent_rules.agent_slot_views(session, agents), policy)

@@ -129,9 +129,21 @@ def tokens_revoke(token_id: int) -> None:
     console.print(f"token {token_id} revoked")
 
 
-def _print_team(team: TeamView) -> None:
+def print_team(team: TeamView) -> None:
     members = ", ".join(f"{m.user} ({m.role})" for m in team.members) or "no members yet"
     console.print(f"[bold]{team.name}[/bold]: {members}")
+    slots = {
+        name: ",".join(f"{kind}={count}" for kind, count in sorted(values.items())) or "none"
+        for name, values in (
+            ("guarantee", team.guarantee),
+            ("limit", team.limit),
+            ("per user", team.user_limit),
+            ("holding", team.holding),
+        )
+    }
+    held = "  [yellow]queue held[/]" if team.queue_held else ""
+    share = "  ".join(f"{name} {value}" for name, value in slots.items())
+    console.print(f"weight {team.weight:g}  {share}  queued {team.queued}{held}")
 
 
 @teams_app.command("create")
@@ -170,7 +182,7 @@ def teams_show(name: str, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(team)
     else:
-        _print_team(team)
+        print_team(team)
 
 
 @teams_app.command("add-member")
@@ -190,7 +202,7 @@ def teams_add_member(
     if as_json:
         print_json(updated)
     else:
-        _print_team(updated)
+        print_team(updated)
 
 
 @teams_app.command("remove-member")
@@ -201,4 +213,4 @@ def teams_remove_member(team: str, user: str, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(updated)
     else:
-        _print_team(updated)
+        print_team(updated)

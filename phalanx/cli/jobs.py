@@ -1,4 +1,5 @@
-"""Jobs: `submit`, `jobs list|show|logs|kill|pause|resume`, and a job's `checkpoints`."""
+"""Jobs: `submit`, `jobs list|show|logs|kill|pause|resume`, and a job's `checkpoints`
+(`jobs hold|release` are in `phalanx.cli.sharing`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rich.table import Table
 from phalanx.cli.live import follow
 from phalanx.cli.output import JsonOpt, api, console, fail, fmt_metrics, print_json
 from phalanx.client import SpecError
-from phalanx.schemas import JobState, JobView
+from phalanx.schemas import JobState, JobView, QueuePlace
 
 app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
@@ -65,6 +66,8 @@ def jobs_list(
     for job in jobs:
         res = job.spec.resources
         note = job.wait_reason if job.state is JobState.QUEUED else (job.failure_reason or "")
+        if job.queue is not None:
+            note = describe_place(job.queue)
         table.add_row(
             str(job.id),
             job.name,
@@ -90,7 +93,12 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
     team = f"  team {job.team}" if job.team else ""
     console.print(f"[bold]job {job.id}[/] {job.name}  state [bold]{job.state.value}[/]  owner {job.owner}{team}")
     console.print(f"restarts used: {restart_budgets(job)}")
-    if job.state is JobState.QUEUED and job.wait_reason:
+    if job.held:
+        console.print("[yellow]held by an admin[/]: it waits until released (`phalanx jobs release`)")
+    if job.queue is not None:
+        console.print(f"in line: {describe_place(job.queue)}")
+        console.print(f"estimate: {job.queue.estimate}")
+    elif job.state is JobState.QUEUED and job.wait_reason:
         console.print(f"waiting: {job.wait_reason}")
     if job.failure_reason:
         console.print(f"[red]failed:[/] {job.failure_reason}")
@@ -208,3 +216,14 @@ def checkpoints_download(
         print_json(chosen)
     else:
         console.print(f"checkpoint of step {chosen.step} (attempt {chosen.attempt}) unpacked into {args[-1]}")
+
+
+def describe_place(place: QueuePlace) -> str:
+    """ "#3 of 12 (#1 in its team); starts ~2026-12-05 14:05 UTC: <reason>" """
+    if place.position is None:
+        where = "not in line"
+    else:
+        team = f" (#{place.team_position} in its team)" if place.team_position else ""
+        where = f"#{place.position} of {place.queued}{team}"
+    eta = f"; starts ~{place.estimated_start:%Y-%m-%d %H:%M} UTC" if place.estimated_start else ""
+    return f"{where}{eta}: {place.reason}"

@@ -1,4 +1,5 @@
-"""The `phalanx` user commands: jobs, studies, checkpoints, agents, tokens. Every read command
+"""The `phalanx` user commands: jobs, studies, checkpoints, agents, tokens, teams, the queue and
+usage. Every read command
 takes --json; errors say how to fix them.
 
 The commands that run Phalanx itself (`server`, `scheduler`, `agent`, `db upgrade`, `up`, `demo`)
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from phalanx.cli import cluster, jobs, studies
+from phalanx.cli import cluster, jobs, sharing, studies
 
 app = typer.Typer(
     help="Phalanx: distributed PyTorch training on your own machines.",
@@ -23,6 +24,8 @@ app.add_typer(cluster.tokens_app, name="tokens")
 app.add_typer(cluster.teams_app, name="teams")
 app.add_typer(jobs.checkpoints_app, name="checkpoints")
 app.add_typer(studies.app, name="studies")
+app.command()(sharing.queue)
+app.command()(sharing.usage)
 
 if __name__ == "__main__":
     app()

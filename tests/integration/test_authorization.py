@@ -143,6 +143,11 @@ ROWS = [
     Row("POST", "/api/v1/jobs/{job_id}/pause", ACT, at("/api/v1/jobs/{w.ended}/pause")),
     Row("POST", "/api/v1/jobs/{job_id}/resume", ACT, at("/api/v1/jobs/{w.ended}/resume")),
     Row("POST", "/api/v1/jobs/{job_id}/kill", ACT, at("/api/v1/jobs/{w.ended}/kill")),
+    # holding is an admin's: the team's or the cluster's (the owner pauses instead); 409 for an ended job
+    Row("POST", "/api/v1/jobs/{job_id}/hold", MANAGE_TEAM, at("/api/v1/jobs/{w.ended}/hold")),
+    Row("POST", "/api/v1/jobs/{job_id}/release", MANAGE_TEAM, at("/api/v1/jobs/{w.ended}/release")),
+    Row("GET", "/api/v1/queue", ANY_USER, at("/api/v1/queue")),
+    Row("GET", "/api/v1/usage", ANY_USER, at("/api/v1/usage")),
     # --- REST: studies
     Row("POST", "/api/v1/studies", ANY_USER, at("/api/v1/studies"), files=study_file),
     Row("GET", "/api/v1/studies", ANY_USER, at("/api/v1/studies")),
@@ -212,6 +217,9 @@ ROWS = [
     Row("POST", "/api/v1/teams", ADMIN_ONLY, at("/api/v1/teams"), json=lambda w: {"name": f"n{next(w.counter)}"}),
     Row("GET", "/api/v1/teams", ANY_USER, at("/api/v1/teams")),
     Row("GET", "/api/v1/teams/{team}", READ, at("/api/v1/teams/t")),
+    Row("PATCH", "/api/v1/teams/{team}", ADMIN_ONLY, at("/api/v1/teams/t"), json=lambda w: {"weight": 1}),
+    Row("POST", "/api/v1/teams/{team}/hold", MANAGE_TEAM, at("/api/v1/teams/t/hold")),
+    Row("POST", "/api/v1/teams/{team}/release", MANAGE_TEAM, at("/api/v1/teams/t/release")),
     Row(
         "PUT",
         "/api/v1/teams/{team}/members/{member}",
