@@ -117,3 +117,33 @@ def test_teams_through_the_cli(stack: Stack) -> None:
     assert refused.returncode == 1 and "cluster admin" in refused.stderr
     shown = cli(stack, "teams", "remove-member", "ml", "bob", PHALANX_TOKEN=alice).stdout
     assert "bob" not in shown and "alice (admin)" in shown
+
+
+def test_sharing_through_the_cli(stack: Stack) -> None:
+    """`teams set|hold|release`, `jobs hold|release`, `queue` and `usage`, as a user types them."""
+    lead = json.loads(cli(stack, "tokens", "create", "lead", "--json").stdout)["token"]
+    cli(stack, "teams", "create", "cv")
+    cli(stack, "teams", "add-member", "cv", "lead", "--role", "admin")
+    shown = cli(stack, "teams", "set", "cv", "--weight", "2", "--guarantee", "cpu=1", "--limit", "cpu=2").stdout
+    assert "weight 2" in shown and "guarantee cpu=1" in shown and "limit cpu=2" in shown
+    bad = cli(stack, "teams", "set", "cv", "--limit", "tpu=3", ok=False)
+    assert bad.returncode == 2 and "cpu=8,gpu=2" in bad.stderr
+    refused = cli(stack, "teams", "set", "cv", "--weight", "5", ok=False, PHALANX_TOKEN=lead)
+    assert refused.returncode == 1 and "cluster admin" in refused.stderr
+
+    assert "held" in cli(stack, "teams", "hold", "cv", PHALANX_TOKEN=lead).stdout
+    job = json.loads(cli(stack, "submit", str(SCRIPTED), "--json", PHALANX_TOKEN=lead).stdout)
+    queue = json.loads(cli(stack, "queue", "--json", PHALANX_TOKEN=lead).stdout)
+    (entry,) = queue["entries"]
+    assert entry["job_id"] == job["id"] and entry["position"] is None and "teams release cv" in entry["reason"]
+    assert json.loads(cli(stack, "jobs", "hold", str(job["id"]), "--json", PHALANX_TOKEN=lead).stdout)["held"]
+    cli(stack, "jobs", "release", str(job["id"]), PHALANX_TOKEN=lead)
+    assert "released" in cli(stack, "teams", "release", "cv", PHALANX_TOKEN=lead).stdout
+    with stack.client() as client:
+        assert client.wait(job["id"], timeout=180).state is JobState.COMPLETED
+    usage = json.loads(cli(stack, "usage", "--since", "1d", "--json", PHALANX_TOKEN=lead).stdout)
+    assert [(row["team"], row["user"]) for row in usage["rows"]] == [("cv", "lead")] and usage["by_team"]["cv"] > 0
+    assert "cv" in cli(stack, "usage", PHALANX_TOKEN=lead).stdout
+    assert "the queue is empty" in cli(stack, "queue").stdout
+    bad_since = cli(stack, "usage", "--since", "yesterday", ok=False)
+    assert bad_since.returncode == 2 and "ISO date" in bad_since.stderr
