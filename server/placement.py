@@ -371,6 +371,12 @@ class _Pass:
         self.user_holds: dict[tuple[str, str, str], int] = {}
         self.staying: dict[_QueueKey, int] = {}
         self.running: list[RunningJob] = []
+        # Slots a tier-0 job waits for (its preemption under way): they count against the guarantee
+        # of the jobs behind it, so one pass never claims more than the guarantee. And the queues
+        # whose preemption found no victims this pass: the next pass tries again, so a backlog of
+        # tier-0 jobs costs one victim search per queue, not one per job.
+        self.claimed: dict[_QueueKey, int] = {}
+        self.no_victims: set[_QueueKey] = set()
         if sharing is not None:
             for run in sorted(sharing.running, key=lambda r: r.job_id):
                 size = sum(count for _, count in run.slots)
@@ -399,8 +405,9 @@ class _Pass:
         if self.sharing is None:
             return 1
         need = job.nodes * job.slots_per_node
+        key = (job.team, job.slot_type)
         guarantee = self.quota(job.team).guarantee.get(job.slot_type, 0)
-        return 0 if self.holds.get((job.team, job.slot_type), 0) + need <= guarantee else 1
+        return 0 if self.holds.get(key, 0) + self.claimed.get(key, 0) + need <= guarantee else 1
 
     def over_limit(self, job: PendingJob) -> str | None:
         if self.sharing is None:
@@ -503,8 +510,12 @@ class _Pass:
             self.placements.append(Placement(job_id, pool.take(nodes, per_node)))
             self.count_in(job)
             return
-        if tier == 0 and self.try_preemption(job, pool):
-            return
+        key = (job.team, kind)
+        if tier == 0 and key not in self.no_victims:
+            if self.try_preemption(job, pool):
+                self.claimed[key] = self.claimed.get(key, 0) + nodes * per_node
+                return
+            self.no_victims.add(key)
         free_now = pool.free_at_least(per_node)
         head = self.head
         if head is None:
