@@ -10,7 +10,7 @@ reveal nothing.
 Teams: members see their team and its members; team admins add and remove members, set roles, and
 hold their team's queue and jobs; cluster admins create teams, set their weights, guarantees and
 limits, and manage all. Usage: a cluster admin sees everyone's; a user their own and their teams'.
-The queue: everyone sees every job's place, but only the jobs they may read by name.
+The queue: everyone sees every job's place, team and size, but only the jobs they may read by name.
 Agents: every user lists them, with the names of only the jobs they may read; only a cluster
 admin drains one. Tokens: a user lists and revokes their
 own, a cluster admin all; only a cluster admin mints them.

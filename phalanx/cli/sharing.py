@@ -44,7 +44,7 @@ def parse_moment(option: str, text: str | None) -> datetime | None:
 @teams_app.command("set")
 def teams_set(
     team: str,
-    weight: Annotated[float | None, typer.Option(help="Fair-share weight (> 0; default 1).")] = None,
+    weight: Annotated[float | None, typer.Option(help="Fair-share weight, 0.001 to 1000 (default 1).")] = None,
     guarantee: Annotated[
         str | None, typer.Option(help="Slots it can reclaim by preemption, e.g. cpu=8,gpu=2 (gpu=none drops one).")
     ] = None,

@@ -168,7 +168,7 @@ class TeamPolicyRequest(StrictModel):
     """What `phalanx teams set` changes; a field left out stays as it is. In each mapping a slot type
     set to null drops that guarantee or limit."""
 
-    weight: Annotated[float, Field(gt=0, le=1000)] | None = None
+    weight: Annotated[float, Field(ge=0.001, le=1000)] | None = None
     guarantee: dict[SlotType, SlotCount | None] | None = None
     limit: dict[SlotType, SlotCount | None] | None = None
     user_limit: dict[SlotType, SlotCount | None] | None = None
