@@ -63,7 +63,7 @@ def schedule_pass(session: Session, settings: Settings | None = None) -> set[int
     by_id = {a.id: a for a in agents}
     settings = settings or get_settings()
     now = db_now(session)
-    policy = sharing.load_sharing(session, now, settings.fair_share_half_life, settings.preemption_min_runtime)
+    policy = sharing.load_sharing(session, now, settings)
     result = place(sharing.pending_jobs(session, queued), agent_rules.agent_slot_views(session, agents), policy)
     jobs = {j.id: j for j in queued}
     for placement in result.placements:

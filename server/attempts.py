@@ -31,6 +31,7 @@ from server.transitions import db_now, transition, transition_node
 from server.wakeups import note_agent_work, note_schedule
 
 RUNNING_STATES = (JobState.RUNNING.value, JobState.SCHEDULED.value)
+PREEMPTED = "preempted: "  # how a preempted attempt's end reason starts (`server.sharing` reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +271,7 @@ def preempt_attempt(session: Session, job: Job, allocation: Allocation, reason: 
     """Stop the (locked) job's running attempt for another team's guarantee: its workers get
     SIGTERM and `grace_s` to checkpoint; the job queues again and resumes, costing no restart."""
     allocation.stop_grace = grace_s
-    end_attempt(session, job, allocation, Failure("none", f"preempted: {reason}", graceful=True))
+    end_attempt(session, job, allocation, Failure("none", f"{PREEMPTED}{reason}", graceful=True))
 
 
 def end_attempts_on_agent(session: Session, agent: Agent, failure: Failure) -> None:

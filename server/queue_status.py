@@ -92,7 +92,7 @@ def queue_snapshot(session: Session, settings: Settings) -> QueueSnapshot:
     snapshot.jobs = {job.id: job for job in queued}
     agents = list(session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value).order_by(Agent.id)))
     slots = agent_rules.agent_slot_views(session, agents)
-    policy = sharing.load_sharing(session, now, settings.fair_share_half_life, settings.preemption_min_runtime)
+    policy = sharing.load_sharing(session, now, settings)
     pending = sharing.pending_jobs(session, queued)
     result = place(pending, slots, policy)
     snapshot.order = list(result.order)

@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     # PriorityDecayHalfLife), what a preempted job gets between SIGTERM and SIGKILL to checkpoint,
     # and how long a job runs before it may be preempted at all.
     fair_share_half_life: float = Field(3600.0, gt=0, le=365 * 86400)
+    # How much that usage counts beside what a team holds now (`placement.Sharing.history_weight`).
+    fair_share_history_weight: float = Field(0.25, ge=0, le=100)
     preemption_grace: float = Field(30.0, ge=0, le=3600)
     preemption_min_runtime: float = Field(60.0, ge=0, le=7 * 86400)
     # Where checkpoints live: any fsspec URI every node and the server can reach (file:// on a

@@ -22,8 +22,10 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from phalanx.schemas import JobState
+from server.attempts import PREEMPTED
 from server.models import Allocation, AllocationNode, Job, SlotLease, Team, User
 from server.placement import PendingJob, RunningJob, Sharing, TeamQuota
+from server.settings import Settings
 
 # Older slot-seconds count less than 2**-10 of new ones: past this many half-lives they are skipped.
 HALF_LIVES_READ = 10
@@ -109,6 +111,7 @@ def running_jobs(session: Session, now: datetime) -> list[RunningJob]:
             User.name,
             Job.state,
             Job.priority,
+            Job.preempted_by,
             Allocation.created_at,
             Allocation.end_reason,
             SlotLease.slot_type,
@@ -127,6 +130,7 @@ def running_jobs(session: Session, now: datetime) -> list[RunningJob]:
             User.name,
             Job.state,
             Job.priority,
+            Job.preempted_by,
             Allocation.id,
             SlotLease.slot_type,
             SlotLease.agent_id,
@@ -135,23 +139,28 @@ def running_jobs(session: Session, now: datetime) -> list[RunningJob]:
     ).all()
     slots: dict[tuple[int, str], list[tuple[int, int]]] = {}
     first: dict[tuple[int, str], RunningJob] = {}
-    for job_id, team, user, state, priority, placed_at, end_reason, slot_type, agent_id, count in rows:
+    for job_id, team, user, state, priority, preempted_by, placed_at, end_reason, slot_type, agent_id, count in rows:
         key = (job_id, slot_type)
         slots.setdefault(key, []).append((agent_id, count))
         if key not in first:
             leaving = end_reason is not None or state not in (JobState.RUNNING.value, JobState.SCHEDULED.value)
             runtime = max(0.0, (now - placed_at).total_seconds())
-            first[key] = RunningJob(job_id, team or "", user, slot_type, priority, (), runtime, leaving)
+            preempted = leaving and end_reason is not None and end_reason.startswith(PREEMPTED)
+            first[key] = RunningJob(
+                job_id, team or "", user, slot_type, priority, (), runtime, leaving, preempted_by if preempted else None
+            )
     return [replace(run, slots=tuple(slots[key])) for key, run in first.items()]
 
 
-def load_sharing(session: Session, now: datetime, half_life_s: float, min_runtime_s: float) -> Sharing:
+def load_sharing(session: Session, now: datetime, settings: Settings) -> Sharing:
+    half_life_s = settings.fair_share_half_life
     intervals = slot_intervals(session, now - timedelta(seconds=half_life_s * HALF_LIVES_READ), now)
     return Sharing(
         teams=team_quotas(session),
         usage=decayed_usage(intervals, now, half_life_s),
         running=running_jobs(session, now),
-        min_runtime_s=min_runtime_s,
+        min_runtime_s=settings.preemption_min_runtime,
+        history_weight=settings.fair_share_history_weight,
     )
 
 
