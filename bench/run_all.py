@@ -43,7 +43,21 @@ BENCHMARKS = (
     Benchmark(
         "placement",
         "bench_placement.py",
-        summary=lambda r: (f"median {r['median_s']} s", f"<= {r['goal_s']} s"),
+        summary=lambda r: (
+            f"median {r['median_s']} s, with sharing {r['sharing_median_s']} s, full cluster "
+            f"{r['full_cluster_median_s']} s",
+            f"<= {r['goal_s']} s",
+        ),
+    ),
+    Benchmark(
+        "fair_share",
+        "bench_fair_share.py",
+        quick_args=("--seeds", "7", "--compare", ""),
+        summary=lambda r: (
+            "max share error "
+            + ", ".join(f"{seed} {run['fair_share']['max_share_error_pp']} pp" for seed, run in r["runs"].items()),
+            f"<= 5 pp; guaranteed wait <= {r['guaranteed_wait_bound_s']} s",
+        ),
     ),
     Benchmark(
         "report",
