@@ -260,10 +260,10 @@ def carry_out(
     queue = [job for job in jobs if job.job_id not in {p.job_id for p in result.placements}]
     for run in sharing.running:
         if run.job_id in victims:
-            slots = run.slots[0][1] if len(run.slots) == 1 else 1
+            per_node = run.slots[0][1] if len(run.slots) == 1 else 1
             queue.append(
                 PendingJob(
-                    run.job_id, run.priority, 99, 1, slots, "cpu", run.team, run.user, False, victims[run.job_id]
+                    run.job_id, run.priority, 99, 1, per_node, "cpu", run.team, run.user, False, victims[run.job_id]
                 )
             )
     renumbered = []
@@ -302,7 +302,7 @@ def test_same_input_in_any_order_gives_the_same_output(
     jobs, agents, sharing = world
     shuffled_jobs, shuffled_agents, shuffled_running = list(jobs), list(agents), list(sharing.running)
     for items in (shuffled_jobs, shuffled_agents, shuffled_running):
-        shuffle.shuffle(items)  # type: ignore[arg-type]
+        shuffle.shuffle(items)
     first = place(jobs, agents, sharing)
     second = place(shuffled_jobs, shuffled_agents, replace(sharing, running=shuffled_running))
     assert first == second
@@ -324,7 +324,7 @@ def test_with_every_team_saturated_the_shares_converge_to_the_weights(weights: t
     running: list[RunningJob] = []
     next_id = 1
     backlog = {team: 0 for team in TEAMS}
-    share_sum = Counter[str]()
+    share_sum = dict.fromkeys(TEAMS, 0.0)
     for step in range(300):
         while len(running) and rng.random() < 0.9:
             running.pop(rng.randrange(len(running)))  # a job ends
