@@ -169,11 +169,16 @@ def may_hold_team(session: Session, principal: Principal, team: Team) -> None:
         raise Forbidden(f"only an admin of team {team.name!r} or a cluster admin holds or releases its queue")
 
 
+def may_hold_job(session: Session, principal: Principal, job: Job) -> bool:
+    """Whether to offer `principal` the job's hold and release buttons."""
+    return principal.is_admin or _role_in(session, principal, job.team_id) == "admin"
+
+
 def job_to_hold(session: Session, principal: Principal, job_id: int) -> Job:
     """The job, locked, if `principal` may hold it: an admin of its team or a cluster admin (404 if
     they may not read it, else 403; its owner pauses it instead)."""
     job = job_for(session, principal, job_id)
-    if not (principal.is_admin or _role_in(session, principal, job.team_id) == "admin"):
+    if not may_hold_job(session, principal, job):
         raise Forbidden(
             f"only an admin of job {job_id}'s team or a cluster admin holds or releases it; its owner may pause it"
         )

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server.dashboard import cluster_pages, job_pages, live, sign_in, study_pages, submit_pages, team_pages
+from server.dashboard import (
+    cluster_pages,
+    job_pages,
+    live,
+    sharing_pages,
+    sign_in,
+    study_pages,
+    submit_pages,
+    team_pages,
+)
 
 ROUTERS: tuple[APIRouter, ...] = (
     sign_in.router,
@@ -17,5 +26,6 @@ ROUTERS: tuple[APIRouter, ...] = (
     study_pages.router,
     submit_pages.router,
     team_pages.router,
+    sharing_pages.router,
     live.router,
 )

@@ -50,7 +50,8 @@ def jobs_page(
     if q:
         query = query.where(Job.name.contains(q, autoescape=True))
     with session.begin():
-        rows = views.jobs(session, list(session.scalars(query)))
+        found = list(session.scalars(query))
+        rows = views.jobs(session, found, queue=views.queue_snapshot_for(session, found))
         version = jobs_version(session)
     return render(
         request,
@@ -74,7 +75,9 @@ def _job_page(
     job_id: RowId, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
 ) -> Response:
     with session.begin():
-        may_change = access.may_change_job(session, user, access.job_for(session, user, job_id))
+        readable = access.job_for(session, user, job_id)
+        may_change = access.may_change_job(session, user, readable)
+        may_hold = access.may_hold_job(session, user, readable)
         row = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
         job = views.job_detail(session, row)
         saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
@@ -87,6 +90,7 @@ def _job_page(
         status,
         job=job,
         may_change=may_change,
+        may_hold=may_hold,
         checkpoints=saved,
         error=error,
         log_tail=tail,
@@ -117,15 +121,15 @@ def chart_data(
     return Response(body, media_type="application/json", headers=headers)
 
 
-JOB_ACTIONS = ("kill", "pause", "resume")
+JOB_ACTIONS = ("kill", "pause", "resume", "hold", "release")
 
 
 @router.post("/jobs/{job_id}/{action}", response_model=None)
 def job_action(
     job_id: RowId, action: str, request: Request, session: SessionDep, user: SignedIn, _: CsrfChecked
 ) -> Response:
-    """The kill, pause and resume buttons; a refusal (the job is not in a state for it) is shown
-    on the job's page."""
+    """The kill, pause, resume, hold and release buttons; a refusal (the job is not in a state for
+    it) is shown on the job's page."""
     if action not in JOB_ACTIONS:
         raise PageNotFound(f"There is no job action {action!r}; the buttons are {', '.join(JOB_ACTIONS)}.")
     try:
@@ -133,8 +137,10 @@ def job_action(
             commands.kill_job(session, user, job_id)
         elif action == "pause":
             commands.pause_job(session, user, job_id)
-        else:
+        elif action == "resume":
             commands.resume_job(session, user, job_id)
+        else:
+            commands.hold_job(session, user, job_id, action == "hold")
     except Conflict as exc:
         return _job_page(job_id, request, session, user, error=exc.message, status=409)
     return RedirectResponse(f"/jobs/{job_id}", status_code=303)

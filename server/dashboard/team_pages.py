@@ -21,7 +21,7 @@ router = APIRouter(include_in_schema=False)
 FormName = Annotated[str, Form(max_length=64)]
 
 
-def _name(value: str, what: str) -> str:
+def team_name(value: str, what: str) -> str:
     try:
         return schemas.TeamRequest(name=value).name
     except ValidationError as exc:
@@ -37,7 +37,7 @@ def teams_page(request: Request, session: SessionDep, user: SignedIn) -> Respons
 
 @router.post("/teams", response_model=None)
 def create_team(session: SessionDep, user: SignedIn, _: CsrfChecked, name: FormName = "") -> Response:
-    commands.create_team(session, user, schemas.TeamRequest(name=_name(name, "team")))
+    commands.create_team(session, user, schemas.TeamRequest(name=team_name(name, "team")))
     return RedirectResponse("/teams", status_code=303)
 
 
@@ -47,11 +47,11 @@ def set_member(
 ) -> Response:
     """Add a member, or change a member's role."""
     chosen: schemas.TeamRole = "admin" if role == "admin" else "member"
-    commands.set_team_member(session, user, _name(team, "team"), _name(member, "user"), chosen)
+    commands.set_team_member(session, user, team_name(team, "team"), team_name(member, "user"), chosen)
     return RedirectResponse("/teams", status_code=303)
 
 
 @router.post("/teams/{team}/members/{member}/remove", response_model=None)
 def remove_member(team: str, member: str, session: SessionDep, user: SignedIn, _: CsrfChecked) -> Response:
-    commands.remove_team_member(session, user, _name(team, "team"), _name(member, "user"))
+    commands.remove_team_member(session, user, team_name(team, "team"), team_name(member, "user"))
     return RedirectResponse("/teams", status_code=303)

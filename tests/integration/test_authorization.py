@@ -293,6 +293,11 @@ ROWS = [
     Row("GET", "/studies/{study_id}/events", PAGE_READ, at("/studies/{w.study}/events")),
     Row("GET", "/submit", PAGE, at("/submit")),
     Row("POST", "/submit", PAGE, at("/submit"), form=lambda w: {"text": "name: x"}),
+    Row("GET", "/queue", PAGE, at("/queue")),
+    Row("GET", "/usage", PAGE, at("/usage")),
+    Row("POST", "/teams/{team}/policy", PAGE_ADMIN, at("/teams/t/policy"), form=lambda w: {"weight": "1"}),
+    Row("POST", "/teams/{team}/hold", PAGE_MANAGE_TEAM, at("/teams/t/hold"), form=lambda w: {}),
+    Row("POST", "/teams/{team}/release", PAGE_MANAGE_TEAM, at("/teams/t/release"), form=lambda w: {}),
     Row("GET", "/teams", PAGE, at("/teams")),
     Row("POST", "/teams", PAGE_ADMIN, at("/teams"), form=lambda w: {"name": f"p{next(w.counter)}"}),
     Row(
