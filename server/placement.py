@@ -388,6 +388,7 @@ class _Pass:
         # a few searches per pass, not one per job (the next pass tries again).
         self.claimed: dict[_QueueKey, int] = {}
         self.queued_ids: set[int] = set()
+        self.counted_on: set[int] = set()  # leaving jobs whose slots a waiting job counts on
         self.no_victims: dict[_QueueKey, list[tuple[int, int]]] = {}
         if sharing is not None:
             for run in sorted(sharing.running, key=lambda r: r.job_id):
@@ -579,16 +580,26 @@ class _Pass:
                 counts[number] += sign * slots
                 enough += (counts[number] >= per_node) - before
 
-        # Slots freeing up count for this job unless another queued job preempted them for itself.
-        leaving = [
-            run
-            for run in self.running
-            if run.leaving
-            and run.slot_type == kind
-            and (run.stopping_for in (None, job.job_id) or run.stopping_for not in self.queued_ids)
-        ]
+        # Slots freeing up count for this job, those stopping for it first, unless another queued
+        # job preempted them for itself or an earlier job of this pass counts on them already:
+        # two jobs waiting on the same slots would each preempt too little.
+        leaving = sorted(
+            (
+                run
+                for run in self.running
+                if run.leaving
+                and run.slot_type == kind
+                and run.job_id not in self.counted_on
+                and (run.stopping_for in (None, job.job_id) or run.stopping_for not in self.queued_ids)
+            ),
+            key=lambda run: (run.stopping_for != job.job_id, run.job_id),
+        )
+        waiting_on: list[RunningJob] = []
         for run in leaving:
+            if enough >= nodes:
+                break
             add(run, +1)
+            waiting_on.append(run)
         victims: list[RunningJob] = []
         if enough < nodes:
             for run in self.preemptible(job):
@@ -604,6 +615,7 @@ class _Pass:
                     victims.remove(run)
                 else:
                     add(run, +1)
+        self.counted_on.update(run.job_id for run in waiting_on)
         # Hold the free slots of the agents it will use, so the rest of this pass cannot take them.
         chosen = sorted(
             (number for number, count in enumerate(counts) if count >= per_node),
@@ -623,7 +635,7 @@ class _Pass:
                 "starts once they have checkpointed and stopped"
             )
         else:
-            names = ", ".join(f"job {run.job_id}" for run in leaving[:4])
+            names = _names([f"job {run.job_id}" for run in waiting_on])
             self.waiting[job.job_id] = (
                 f"runs within {team}'s guarantee of {_plural(guarantee, kind + ' slot')}; waiting for "
                 f"{names or 'stopping jobs'} to stop, whose slots it will take"
