@@ -15,6 +15,7 @@ from sqlalchemy import select
 from phalanx import schemas
 from server import access, commands, views
 from server.api.deps import SessionDep, SettingsDep
+from server.api.usage import MAX_TIME, MIN_TIME
 from server.dashboard.render import CsrfChecked, SignedIn, render
 from server.dashboard.team_pages import team_name
 from server.errors import Unprocessable
@@ -93,12 +94,14 @@ def queue_page(request: Request, session: SessionDep, settings: SettingsDep, use
 
 
 def _day(value: str, what: str) -> datetime | None:
+    """A date as midnight UTC, clamped as the REST route clamps (9999-12-31 plus a day overflows)."""
     if not value:
         return None
     try:
-        return datetime.combine(date.fromisoformat(value), time())
+        day = datetime.combine(date.fromisoformat(value), time())
     except ValueError as exc:
         raise Unprocessable(f"{what} {value!r} is not a date; write it as 2026-12-01") from exc
+    return min(max(day, MIN_TIME), MAX_TIME)
 
 
 @router.get("/usage", response_model=None)

@@ -118,3 +118,5 @@ def test_the_usage_page_charts_slot_hours_by_team_and_refuses_a_bad_date(
     assert bad.status_code == 422 and "2026-12-01" in bad.text
     reversed_period = client.get("/usage", params={"since": "2030-01-02", "until": "2030-01-01"})
     assert reversed_period.status_code == 422
+    widest = client.get("/usage", params={"since": "0001-01-01", "until": "9999-12-31"})  # no overflow: a 4xx
+    assert widest.status_code == 422 and "at most 3660 days" in widest.text
