@@ -82,9 +82,11 @@ def _preempt(session: Session, preemption: Preemption, for_job: Job, grace_s: fl
     pass decides again from what is then true."""
     victim = lock_job(session, preemption.job_id)
     allocation = active_allocation(session, victim.id)
-    if victim.state not in RUNNING_STATES or allocation is None or allocation.end_reason is not None:
+    if allocation is None:
         return
-    lock_attempt(session, allocation)
+    lock_attempt(session, allocation)  # re-reads the attempt under the job's lock
+    if victim.state not in RUNNING_STATES or allocation.end_reason is not None:
+        return
     victim.preempted_by = for_job.id
     preempt_attempt(session, victim, allocation, preemption.reason, grace_s)
     record_event(session, for_job, f"preempting job {victim.id}: {preemption.reason}")

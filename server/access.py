@@ -25,13 +25,15 @@ query of what a principal may list, for callers that add their own filters and p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import Session, selectinload
 
 from server.attempts import lock_job
 from server.auth import Principal
 from server.errors import Forbidden, NotFound
-from server.models import Allocation, AllocationNode, ApiToken, Job, Team, TeamMember, TuningStudy
+from server.models import Allocation, AllocationNode, ApiToken, Job, Team, TeamMember, TuningStudy, User
 from server.studies import get_study
 from server.teams import get_team
 
@@ -57,6 +59,22 @@ def job_readable(principal: Principal) -> ColumnElement[bool]:
 
 def visible_jobs(principal: Principal) -> Select[Job]:
     return select(Job).options(selectinload(Job.owner)).where(job_readable(principal))
+
+
+def readable_queued_jobs(session: Session, principal: Principal) -> set[int]:
+    """The QUEUED jobs the queue may name to `principal` (the others show only team and size)."""
+    query = select(Job.id).where(Job.state == "QUEUED", job_readable(principal))
+    return set(session.scalars(query))
+
+
+def usage_visibility(session: Session, principal: Principal) -> Callable[[str, str], bool]:
+    """Whose usage `principal` may see, as a test on (user name, team name; "" for no team): a
+    cluster admin everyone's; a user their own jobs' and their teams' jobs'."""
+    if principal.is_admin:
+        return lambda user, team: True
+    me = session.get(User, principal.user_id) if principal.user_id is not None else None
+    teams = set(session.scalars(select(Team.name).where(Team.id.in_(_team_ids(principal)))))
+    return lambda user, team: (me is not None and user == me.name) or (team != "" and team in teams)
 
 
 def visible_studies(principal: Principal) -> Select[TuningStudy]:

@@ -45,6 +45,7 @@ def estimate_starts(
     running = {run.job_id: run for run in sharing.running}
     no_preemption = replace(sharing, min_runtime_s=math.inf)
     ends = sorted((seconds, job_id) for job_id, seconds in remaining_s.items() if job_id in running)
+    by_id = {job.job_id: job for job in queue}
     estimates: dict[int, float] = {}
     now = 0.0
     for event in range(min(len(ends), max_events) + 1):
@@ -59,7 +60,6 @@ def estimate_starts(
         result = place(queue, views, replace(no_preemption, running=tuple(running.values())))
         if not result.placements:
             continue
-        by_id = {job.job_id: job for job in queue}
         for placement in result.placements:
             job = by_id[placement.job_id]
             estimates[job.job_id] = now

@@ -68,10 +68,8 @@ def remove_member(session: Session, team: Team, user_name: str) -> None:
 
 
 def _merged(current: dict[str, int], change: Mapping[SlotType, int | None] | None) -> dict[str, int]:
-    if change is None:
-        return dict(current)
     merged = dict(current)
-    for slot_type, count in change.items():
+    for slot_type, count in (change or {}).items():
         if count is None:
             merged.pop(str(slot_type), None)
         else:

@@ -11,21 +11,16 @@ from rich.table import Table
 from phalanx.cli.cluster import DURATION_UNITS, print_team, teams_app
 from phalanx.cli.jobs import app as jobs_app
 from phalanx.cli.output import JsonOpt, api, console, fail, print_json
-from phalanx.schemas import JobView, SlotType
+from phalanx.schemas import JobView, parse_slot_counts
 
 
 def parse_slots(option: str, text: str | None) -> dict[str, int | None] | None:
-    """ "cpu=8,gpu=2" as {"cpu": 8, "gpu": 2}; "gpu=none" drops that slot type's value."""
     if text is None:
         return None
-    slots: dict[str, int | None] = {}
-    kinds = ", ".join(kind.value for kind in SlotType)
-    for part in filter(None, (piece.strip() for piece in text.split(","))):
-        kind, _, count = part.partition("=")
-        if kind not in {k.value for k in SlotType} or not (count.isdigit() or count == "none"):
-            fail(f"{option} {text!r}: write SLOT_TYPE=N pairs such as cpu=8,gpu=2 (slot types: {kinds}; N or none)", 2)
-        slots[kind] = None if count == "none" else int(count)
-    return slots
+    try:
+        return {kind.value: count for kind, count in parse_slot_counts(text).items()}
+    except ValueError as exc:
+        fail(f"{option} {text!r}: {exc}", 2)
 
 
 def parse_moment(option: str, text: str | None) -> datetime | None:

@@ -96,6 +96,7 @@ from phalanx.schemas.views import (
     TrialView,
     UsageReport,
     UsageRow,
+    parse_slot_counts,
 )
 
 __all__ = [
@@ -180,4 +181,5 @@ __all__ = [
     "TrialView",
     "UsageReport",
     "UsageRow",
+    "parse_slot_counts",
 ]

@@ -164,6 +164,20 @@ class MembershipRequest(StrictModel):
 SlotCount = Annotated[int, Field(ge=0, le=1_000_000)]
 
 
+def parse_slot_counts(text: str) -> dict[SlotType, int | None]:
+    """ "cpu=8, gpu=2" as {cpu: 8, gpu: 2}; "gpu=none" as {gpu: None} (drop that value). Raises
+    ValueError naming the expected form; the counts' bounds are `TeamPolicyRequest`'s."""
+    slots: dict[SlotType, int | None] = {}
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        kind, _, count = (piece.strip() for piece in part.partition("="))
+        known = kind in SlotType.__members__.values()
+        if not known or not (count == "none" or (count.isascii() and count.isdigit())) or len(count) > 9:
+            kinds = ", ".join(k.value for k in SlotType)
+            raise ValueError(f"write SLOT_TYPE=N pairs such as cpu=8,gpu=2 (slot types: {kinds}; N or none)")
+        slots[SlotType(kind)] = None if count == "none" else int(count)
+    return slots
+
+
 class TeamPolicyRequest(StrictModel):
     """What `phalanx teams set` changes; a field left out stays as it is. In each mapping a slot type
     set to null drops that guarantee or limit."""

@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from sqlalchemy import select
 
 from phalanx import schemas
 from server import access, views
 from server.api.deps import SessionDep, SettingsDep, UserDep
-from server.models import Job
 from server.queue_status import queue_snapshot
 
 router = APIRouter(prefix="/queue", tags=["queue"])
@@ -27,7 +25,4 @@ def show_queue(
     you may not read show only their team, size and place."""
     with session.begin():
         snapshot = queue_snapshot(session, settings)
-        readable = set(
-            session.scalars(select(Job.id).where(Job.state == schemas.JobState.QUEUED.value, access.job_readable(user)))
-        )
-        return views.queue_view(session, readable, snapshot, limit)
+        return views.queue_view(session, access.readable_queued_jobs(session, user), snapshot, limit)

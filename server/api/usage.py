@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from phalanx import schemas
+from server import access
 from server.api.deps import SessionDep, UserDep
 from server.transitions import db_now
 from server.usage import usage_report
@@ -29,7 +30,7 @@ def show_usage(
         now = db_now(session)
         end = _naive_utc(until) if until is not None else now
         start = _naive_utc(since) if since is not None else end - timedelta(days=7)
-        return usage_report(session, user, start, end)
+        return usage_report(session, access.usage_visibility(session, user), start, end)
 
 
 def _naive_utc(moment: datetime) -> datetime:

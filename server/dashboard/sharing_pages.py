@@ -10,7 +10,6 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
-from sqlalchemy import select
 
 from phalanx import schemas
 from server import access, commands, views
@@ -19,7 +18,6 @@ from server.api.usage import MAX_TIME, MIN_TIME
 from server.dashboard.render import CsrfChecked, SignedIn, render
 from server.dashboard.team_pages import team_name
 from server.errors import Unprocessable
-from server.models import Job
 from server.queue_status import queue_snapshot
 from server.transitions import db_now
 from server.usage import usage_report
@@ -30,18 +28,23 @@ SlotsField = Annotated[str, Form(max_length=200)]
 CHART_WIDTH = 480  # px of the longest bar
 
 
-def parse_slots(field: str, text: str) -> dict[schemas.SlotType, int | None] | None:
-    """ "cpu=8, gpu=2" (gpu=none drops it); empty leaves the field as it is."""
+def _slots(field: str, text: str) -> dict[schemas.SlotType, int | None] | None:
+    """A form field's slot counts; empty leaves that part of the share as it is."""
     if not text.strip():
         return None
-    slots: dict[schemas.SlotType, int | None] = {}
-    for part in filter(None, (piece.strip() for piece in text.split(","))):
-        kind, _, count = part.partition("=")
-        kind, count = kind.strip(), count.strip()
-        if kind not in schemas.SlotType.__members__.values() or not (count.isdigit() or count == "none"):
-            raise Unprocessable(f"{field} {text!r}: write SLOT_TYPE=N pairs such as cpu=8, gpu=2 (or gpu=none)")
-        slots[schemas.SlotType(kind)] = None if count == "none" else int(count)
-    return slots
+    try:
+        return schemas.parse_slot_counts(text)
+    except ValueError as exc:
+        raise Unprocessable(f"{field} {text!r}: {exc}") from exc
+
+
+def _weight(text: str) -> float | None:
+    if not text.strip():
+        return None
+    try:
+        return float(text)
+    except ValueError as exc:
+        raise Unprocessable(f"weight {text!r}: give a number from 0.001 to 1000") from exc
 
 
 @router.post("/teams/{team}/policy", response_model=None)
@@ -58,13 +61,14 @@ def set_policy(
     """Weight, guarantees and limits (cluster admins)."""
     try:
         change = schemas.TeamPolicyRequest(
-            weight=float(weight) if weight.strip() else None,
-            guarantee=parse_slots("guarantee", guarantee),
-            limit=parse_slots("limit", limit),
-            user_limit=parse_slots("user limit", user_limit),
+            weight=_weight(weight),
+            guarantee=_slots("guarantee", guarantee),
+            limit=_slots("limit", limit),
+            user_limit=_slots("user limit", user_limit),
         )
-    except (ValueError, ValidationError) as exc:
-        raise Unprocessable(f"weight {weight!r}: give a number from 0.001 to 1000") from exc
+    except ValidationError as exc:  # out of bounds: a weight outside 0.001-1000, a count over 1,000,000
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise Unprocessable(f"the team's share is out of bounds ({problems})") from exc
     commands.set_team_policy(session, user, team_name(team, "team"), change)
     return RedirectResponse("/teams", status_code=303)
 
@@ -86,10 +90,7 @@ def release_team(team: str, session: SessionDep, user: SignedIn, _: CsrfChecked)
 def queue_page(request: Request, session: SessionDep, settings: SettingsDep, user: SignedIn) -> Response:
     with session.begin():
         snapshot = queue_snapshot(session, settings)
-        readable = set(
-            session.scalars(select(Job.id).where(Job.state == schemas.JobState.QUEUED.value, access.job_readable(user)))
-        )
-        queue = views.queue_view(session, readable, snapshot, limit=1000)
+        queue = views.queue_view(session, access.readable_queued_jobs(session, user), snapshot, limit=1000)
     return render(request, "queue.html", queue=queue)
 
 
@@ -117,7 +118,8 @@ def usage_page(
     with session.begin():
         now = db_now(session)
         end = end + timedelta(days=1) if end is not None else now
-        report = usage_report(session, user, start or end - timedelta(days=7), end)
+        visible = access.usage_visibility(session, user)
+        report = usage_report(session, visible, start or end - timedelta(days=7), end)
     top = max(report.by_team.values(), default=0.0) or 1.0
     bars = [
         (team or "(no team)", hours, round(CHART_WIDTH * hours / top))

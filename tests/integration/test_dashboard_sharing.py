@@ -46,6 +46,9 @@ def test_a_cluster_admin_sets_a_teams_share_and_its_admins_hold_its_queue(client
     bad = client.post("/teams/vision/policy", data={**form, "limit": "cpu=lots"})
     assert bad.status_code == 422 and "SLOT_TYPE=N" in bad.text
     assert client.post("/teams/vision/policy", data={**form, "weight": "heavy"}).status_code == 422
+    assert client.post("/teams/vision/policy", data={**form, "limit": "cpu=²"}).status_code == 422  # not int()'d
+    too_many = client.post("/teams/vision/policy", data={**form, "limit": "cpu=2000000"})
+    assert too_many.status_code == 422 and "out of bounds" in too_many.text
 
     sign_in(client, token_of(lead))  # a team admin holds the queue, but does not set shares
     page = client.get("/teams").text
