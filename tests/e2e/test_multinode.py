@@ -74,7 +74,10 @@ def test_two_node_job_survives_a_killed_agent(cluster: tuple[Stack, netns.Cluste
         assert {n.agent_name for n in first.nodes} <= {"node-a", "node-b", "node-c"}
         victim = first.nodes[1].agent_name
         agent = psutil.Process(stack.procs[victim].pid)
-        for proc in [*agent.children(recursive=True), agent]:  # the agent and its workers, at once
+        workers = agent.children(recursive=True)
+        # The agent dies first: were a worker first, the agent could report its -9 exit as the
+        # workload's own failure before its own SIGKILL landed, which is not a lost node.
+        for proc in [agent, *workers]:
             proc.send_signal(signal.SIGKILL)
 
         final = finished(client, job.id)
