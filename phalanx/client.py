@@ -431,9 +431,17 @@ class Client:
     def node_started(self, agent_id: int, allocation_id: int, node_rank: int) -> None:
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/started", json={"node_rank": node_rank})
 
-    def node_exited(self, agent_id: int, allocation_id: int, node_rank: int, exit_code: int, reason: str = "") -> None:
-        body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:]}
+    def node_exited(
+        self, agent_id: int, allocation_id: int, node_rank: int, exit_code: int, reason: str = "", cause: str = "run"
+    ) -> None:
+        """`cause="environment"`: the node's runtime environment could not be built (the job fails)."""
+        body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:], "cause": cause}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
+
+    def report_environment_lock(self, agent_id: int, allocation_id: int, lock: str) -> str:
+        """Node rank 0's resolution of the job's runtime environment; the job's lock (the first reported)."""
+        path = f"/agents/{agent_id}/allocations/{allocation_id}/environment"
+        return str(self._request("POST", path, json={"lock": lock}).json()["lock"])
 
     def ship_logs(
         self, agent_id: int, allocation_id: int, lines: Iterable[LogLineIn], batch_id: str | None = None

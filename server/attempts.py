@@ -19,13 +19,13 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx.schemas import JobSpec, JobState, NodeState
 from server import checkpoints
 from server.errors import Conflict, NotFound
-from server.models import Agent, Allocation, AllocationNode, Job, SlotLease
+from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial
 from server.placement import Placement
 from server.transitions import db_now, transition, transition_node
 from server.wakeups import note_agent_work, note_schedule
@@ -38,6 +38,8 @@ PREEMPTED = "preempted: "  # how a preempted attempt's end reason starts (`serve
 class Failure:
     """Why an attempt ends early. `budget` says whose fault: the job's ("job"), the
     infrastructure's ("infra"), or nobody's ("none": a preemption, which costs no restart);
+    "fatal" ends the job, since a restart would fail the same way (its runtime environment cannot
+    be built);
     `graceful` lets the workers checkpoint before they go."""
 
     budget: str
@@ -55,6 +57,8 @@ def decide_restart(job: Job, failure: Failure) -> Decision:
     """Policy only: restart within the failure's budget, else fail. Pure: reads, never writes."""
     if failure.budget == "none":
         return Decision(True, f"queued again, costing no restart: {failure.reason}")
+    if failure.budget == "fatal":
+        return Decision(False, f"{failure.reason} (not restarted: every attempt would fail the same way)")
     spec = JobSpec.model_validate(job.spec)
     if failure.budget == "infra":
         used, limit, name = job.infra_restarts_used, spec.max_infra_restarts, "max_infra_restarts"
@@ -230,14 +234,42 @@ def end_attempt(session: Session, job: Job, allocation: Allocation, failure: Fai
     _end_allocation(session, job, allocation)
 
 
-def _node_failure(node: AllocationNode) -> Failure:
+def _node_failure(node: AllocationNode, cause: str) -> Failure:
+    if cause == "environment":
+        return Failure("fatal", f"the runtime environment failed on agent {node.agent.name}: {node.reason}")
     code = "unknown" if node.exit_code is None else str(node.exit_code)
     detail = f": {node.reason}" if node.reason else ""
     return Failure("job", f"node {node.node_rank} on agent {node.agent.name} exited with code {code}{detail}")
 
 
+def record_environment_lock(session: Session, allocation: Allocation, lock: str) -> str:
+    """Keep the first lock reported for the job (and for its study's later trials); the job's lock.
+
+    Under the job's row lock, so two nodes reporting at once both get the one that was kept, and
+    every node of every attempt installs it."""
+    job = lock_attempt(session, allocation)
+    if not allocation.active:
+        raise Conflict(f"allocation {allocation.id} has ended; its environment is no longer needed")
+    if job.env_lock is None:
+        job.env_lock = lock
+        trial_study = select(TuningTrial.study_id).where(TuningTrial.job_id == job.id).scalar_subquery()
+        session.execute(
+            update(TuningStudy)
+            .where(TuningStudy.id == trial_study, TuningStudy.env_lock.is_(None))
+            .values(env_lock=lock)
+        )
+        note_agent_work(session, (n.agent_id for n in allocation.nodes))
+    session.flush()
+    return job.env_lock
+
+
 def record_node_exit(
-    session: Session, allocation: Allocation, node: AllocationNode, exit_code: int | None, reason: str
+    session: Session,
+    allocation: Allocation,
+    node: AllocationNode,
+    exit_code: int | None,
+    reason: str,
+    cause: str = "run",
 ) -> None:
     job = lock_attempt(session, allocation)
     if node.state == NodeState.EXITED.value:
@@ -247,7 +279,7 @@ def record_node_exit(
     # states) expects its nodes to exit, with any code.
     ending = allocation.end_reason is not None or job.state not in RUNNING_STATES
     if not ending and exit_code != 0:
-        end_attempt(session, job, allocation, _node_failure(node))
+        end_attempt(session, job, allocation, _node_failure(node, cause))
     elif not ending and all(n.state == NodeState.EXITED.value and n.exit_code == 0 for n in allocation.nodes):
         transition(session, job, JobState.COMPLETED, "every rank exited with code 0")
     _end_allocation(session, job, allocation)

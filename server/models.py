@@ -168,6 +168,9 @@ class Job(Base):
     held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # by an admin
     # The job whose guarantee stopped this one's last attempt: it may never preempt that job back.
     preempted_by: Mapped[int | None] = mapped_column(Integer)
+    # `runtime_env` resolved to exact versions with hashes (set once, by the first node to resolve
+    # it): every node of every attempt installs this, so a restart a week later gets the same packages.
+    env_lock: Mapped[str | None] = mapped_column(Text)
 
     owner: Mapped[User] = relationship()
     team: Mapped[Team | None] = relationship()
@@ -359,6 +362,9 @@ class TuningStudy(Base):
     # The study's running time (for `timeout`) without the time it spent STOPPED.
     running_since: Mapped[datetime | None] = mapped_column(DateTime)
     running_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    # The lock the first trial's nodes resolved `trial.runtime_env` to: later trials start with it,
+    # so all trials share one environment (built once per node).
+    env_lock: Mapped[str | None] = mapped_column(Text)
 
     owner: Mapped[User] = relationship()
     team: Mapped[Team | None] = relationship()

@@ -107,6 +107,7 @@ def create_trial(
         team_id=study.team_id,
         refuse_misfit=False,
     )
+    job.env_lock = study.env_lock  # every trial installs the packages the first one resolved
     trial = TuningTrial(
         study_id=study.id,
         number=number,

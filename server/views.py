@@ -162,6 +162,7 @@ def job_detail(session: Session, row: Job) -> schemas.JobDetail:
             for e in row.events
         ],
         allocations=[allocation(a) for a in row.allocations],
+        env_lock=row.env_lock,
     )
 
 

@@ -131,6 +131,30 @@ def agent(
     workdir_ttl: Annotated[
         float, typer.Option(envvar="PHALANX_WORKDIR_TTL", help="Seconds a node's folder is kept after it ends.")
     ] = 3600.0,
+    wheelhouse: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="PHALANX_WHEELHOUSE",
+            help="Install jobs' runtime_env packages offline, from this folder of wheels only.",
+        ),
+    ] = None,
+    env_build_timeout: Annotated[
+        float,
+        typer.Option(envvar="PHALANX_ENV_BUILD_TIMEOUT", help="Seconds a runtime environment may take to build."),
+    ] = 900.0,
+    env_cache_gib: Annotated[
+        float,
+        typer.Option(
+            envvar="PHALANX_ENV_CACHE_GIB", help="GiB of built environments kept; the least recently used go first."
+        ),
+    ] = 20.0,
+    env_source_builds: Annotated[
+        bool,
+        typer.Option(
+            envvar="PHALANX_ENV_SOURCE_BUILDS",
+            help="Let runtime environments build packages from source (runs their build code as the agent's user).",
+        ),
+    ] = False,
     max_bundle_files: Annotated[int, typer.Option(envvar="PHALANX_MAX_BUNDLE_FILES")] = DEFAULT_MAX_FILES,
     max_bundle_unpacked_bytes: Annotated[
         int, typer.Option(envvar="PHALANX_MAX_BUNDLE_UNPACKED_BYTES")
@@ -160,6 +184,10 @@ def agent(
         run_as=run_as,
         workdir_ttl=workdir_ttl,
         bundle_limits=BundleLimits(max_bundle_files, max_bundle_unpacked_bytes),
+        wheelhouse=wheelhouse.resolve() if wheelhouse is not None else None,
+        env_build_timeout=env_build_timeout,
+        env_cache_bytes=int(env_cache_gib * 1024**3),
+        env_source_builds=env_source_builds,
     )
     daemon = AgentDaemon(config)
 

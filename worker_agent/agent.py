@@ -28,6 +28,7 @@ import httpx
 from phalanx.bundle_limits import BundleLimits, extract_bundle
 from phalanx.client import ApiError, Client, reliably
 from phalanx.schemas import AgentRegistration, Assignment, LogLineIn
+from worker_agent.environments import Environment, EnvironmentFailed, Environments, EnvironmentsConfig
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env
 from worker_agent.warm import WarmTorchrun
 
@@ -44,6 +45,7 @@ MAX_PENDING_BYTES = 8 * 1024 * 1024
 AGENT_TOKEN_FILE = "agent-token"
 # Warm torchruns are topped up after this long without a node running here (see prime_when_idle).
 WARM_TOP_UP_IDLE_S = 5.0
+MAX_SETUP_LINE_CHARS = 65_536
 
 
 @dataclass
@@ -64,6 +66,12 @@ class AgentConfig:
     # A node's folder (its code, torchrun's logs) is removed this long after the node ended.
     workdir_ttl: float = 3600.0
     bundle_limits: BundleLimits = field(default_factory=BundleLimits)
+    # Runtime environments (worker_agent/environments.py): offline from this folder of wheels when
+    # set; how long resolving and building may take; how much disk built environments may keep.
+    wheelhouse: Path | None = None
+    env_build_timeout: float = 900.0
+    env_cache_bytes: int = 20 * 1024**3
+    env_source_builds: bool = False
 
 
 class LogShipper(threading.Thread):
@@ -195,25 +203,32 @@ class NodeRunner(threading.Thread):
 
     def run(self) -> None:
         a = self._assignment
-        exit_code, reason = 1, ""
+        exit_code, reason, cause = 1, "", "run"
         user = self.agent.job_users.take()
+        environment: Environment | None = None
         try:
             workdir = self._prepare()
             user.own(self.node_dir)
-            ready = self._await_rendezvous()
+            environment = self._environment(workdir)
+            ready = self._await_rendezvous() if not self._stopped() else None
             if ready is None:
                 exit_code, reason = -15, "stopped before launch"
             else:
-                exit_code, reason = self._launch_and_wait(ready, workdir, user)
+                exit_code, reason = self._launch_and_wait(ready, workdir, user, environment)
+        except EnvironmentFailed as exc:
+            exit_code, reason, cause = 1, str(exc), "environment"
+            self._setup_line(f"the environment failed: {exc}")
         except Exception as exc:  # anything here fails the node, never the agent
             log.exception("node %d of allocation %d failed to run", a.node_rank, a.allocation_id)
             exit_code, reason = 1, f"agent could not run the node: {exc}"
         finally:
+            if environment is not None:
+                environment.release()
             self.agent.shipper.flush(a.allocation_id)
             try:
                 reliably(
                     lambda: self.agent.client.node_exited(
-                        self.agent.agent_id, a.allocation_id, a.node_rank, exit_code, reason
+                        self.agent.agent_id, a.allocation_id, a.node_rank, exit_code, reason, cause
                     )
                 )
                 log.info("allocation %d node %d: reported exit %d", a.allocation_id, a.node_rank, exit_code)
@@ -240,6 +255,39 @@ class NodeRunner(threading.Thread):
         extract_bundle(io.BytesIO(bundle), workdir, self.agent.config.bundle_limits)
         return workdir
 
+    def _stopped(self) -> bool:
+        with self._changed:
+            return self._stop_requested
+
+    def _setup_line(self, text: str) -> None:
+        """A line of the environment's build, shipped with the job's logs as stream "setup"."""
+        line = LogLineIn(rank=None, stream="setup", time=time.time(), line=text[:MAX_SETUP_LINE_CHARS])
+        self.agent.shipper.add(self._assignment.allocation_id, line)
+
+    def _environment(self, workdir: Path) -> Environment | None:
+        """The job's runtime environment, built on this node if it has none (None: the job has none).
+
+        Node rank 0 resolves the requirements when the job has no lock yet and reports the lock; the
+        other nodes wait for it, so every node installs the same packages."""
+        a = self._assignment
+        if a.runtime_env is None:
+            return None
+        environments = self.agent.environments
+        lock = a.env_lock
+        if lock is None and a.node_rank == 0:
+            wanted = environments.requirements(a.runtime_env, workdir)
+            resolved = environments.resolve(wanted, self._setup_line)
+            lock = reliably(
+                lambda: self.agent.client.report_environment_lock(self.agent.agent_id, a.allocation_id, resolved)
+            )
+        with self._changed:
+            while lock is None and not self._stop_requested:
+                self._changed.wait(timeout=1.0)
+                lock = self._assignment.env_lock
+        if lock is None:
+            return None
+        return environments.acquire(lock, self._setup_line)
+
     def _await_rendezvous(self) -> Assignment | None:
         a = self._assignment
         if a.node_rank == 0 and a.master_port is None:
@@ -252,9 +300,13 @@ class NodeRunner(threading.Thread):
                 self._changed.wait(timeout=1.0)
             return None if self._stop_requested else self._assignment
 
-    def _launch_and_wait(self, a: Assignment, workdir: Path, user: JobUser) -> tuple[int, str]:
+    def _launch_and_wait(
+        self, a: Assignment, workdir: Path, user: JobUser, environment: Environment | None
+    ) -> tuple[int, str]:
         cfg = self.agent.config
         env = rank_env(a, dict(os.environ), cfg.server_url, cfg.address)
+        if environment is not None:
+            env = environment.rank_env(env)
         if user.uid is not None:
             env["HOME"] = str(workdir.parent)  # caches and dotfiles stay in the node's folder
         log_dir = workdir.parent / "torchrun-logs"
@@ -302,6 +354,15 @@ class AgentDaemon:
         # A warm torchrun waits before its job is known, so it cannot wait as that job's user:
         # with --run-as every node starts cold.
         self.warm = WarmTorchrun(dict(os.environ), config.work_dir, size=0 if self.job_users.switching else 2)
+        self.environments = Environments(
+            EnvironmentsConfig(
+                root=config.work_dir / "envs",
+                wheelhouse=config.wheelhouse,
+                build_timeout=config.env_build_timeout,
+                size_budget=config.env_cache_bytes,
+                allow_source_builds=config.env_source_builds,
+            )
+        )
         self._runners: dict[tuple[int, int], NodeRunner] = {}
         self._lock = threading.Lock()
 
@@ -402,6 +463,8 @@ class AgentDaemon:
 
     def run(self) -> None:
         self.sweep_old_node_dirs()
+        self.environments.sweep()
+        threading.Thread(target=self.environments.prepare, name="env-prepare", daemon=True).start()
         self.register()
         self.warm.prime()
         self.shipper.start()

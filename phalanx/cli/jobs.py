@@ -141,7 +141,7 @@ def jobs_logs(
                 if as_json:
                     sys.stdout.write(line.model_dump_json() + "\n")
                 else:
-                    who = "launcher" if line.rank is None else f"rank {line.rank}"
+                    who = line.source
                     sys.stdout.write(f"[{who}] {line.line}\n")
             sys.stdout.flush()
             if lines:

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from phalanx.schemas._base import NAME_PATTERN, NUL_FREE, MetricValue, PrintedText, StrictModel, WireModel
 from phalanx.schemas.enums import AgentState, Precision, SlotType
+from phalanx.schemas.specs import RuntimeEnv
 
 # What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
 # refused here (422) instead of failing the insert.
@@ -80,6 +81,10 @@ class Assignment(WireModel):
     pg_timeout: float = 120.0
     # The ranks' PHALANX_TOKEN: reports metrics and checkpoints for this allocation, nothing else
     credential: str = ""
+    # The packages to install first; `env_lock` is their resolution, once node rank 0 (or an
+    # earlier attempt, or a trial of the same study) made it: every node installs exactly that.
+    runtime_env: RuntimeEnv | None = None
+    env_lock: str | None = None
 
 
 class AgentWork(WireModel):
@@ -99,11 +104,29 @@ class NodeExit(StrictModel):
     node_rank: Count32
     exit_code: Int32
     reason: Annotated[PrintedText, Field(max_length=4000)] = ""  # ends with the rank's last stderr lines
+    # "environment": the node never started because its runtime environment could not be resolved
+    # or built; restarting would fail the same way, so the job fails without using a restart.
+    cause: Literal["run", "environment"] = "run"
+
+
+MAX_LOCK_CHARS = 1024 * 1024
+
+
+class EnvironmentLock(StrictModel):
+    """Node rank 0's resolution of the job's runtime environment: `uv pip compile` output, with hashes."""
+
+    lock: Annotated[str, Field(min_length=1, max_length=MAX_LOCK_CHARS, pattern=NUL_FREE)]
+
+
+class EnvironmentLocked(WireModel):
+    """The job's lock: the one just reported, or the one another node or attempt reported first."""
+
+    lock: str
 
 
 class LogLineIn(StrictModel):
     rank: Count32 | None = None  # None: the launcher's own output
-    stream: Literal["stdout", "stderr"] = "stdout"
+    stream: Literal["stdout", "stderr", "setup"] = "stdout"  # "setup": building the runtime environment
     time: UnixTime
     line: Annotated[PrintedText, Field(max_length=MAX_LOG_LINE_CHARS)]  # the agent splits longer ones
 

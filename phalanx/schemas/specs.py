@@ -12,6 +12,7 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
+from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from phalanx.schemas._base import NAME_PATTERN, StrictModel
@@ -100,6 +101,60 @@ class CheckpointPolicy(SpecModel):
         return self
 
 
+# A runtime environment: what a job installs on top of the agents' interpreter (worker_agent/
+# environments.py builds it). Requirements are plain names with version specifiers: a URL, a local
+# path or a pip option would let a job point every node's installer somewhere the operator did not.
+MAX_PIP_REQUIREMENTS = 200
+MAX_REQUIREMENT_CHARS = 256
+
+
+def check_requirement(text: str) -> str:
+    """`text` if it is one requirement as a job may give it ("numpy", "six==1.16.0", "attrs>=23;
+    python_version>'3.8'"), else ValueError saying what is allowed."""
+    stripped = text.strip()
+    try:
+        parsed = Requirement(stripped)
+    except InvalidRequirement:
+        parsed = None
+    if parsed is None or parsed.url is not None or "\n" in stripped:
+        raise ValueError(
+            f"{text[:80]!r} is not a requirement this platform installs: give a package name with optional "
+            "extras, version specifiers and marker (e.g. 'six==1.16.0'); URLs, paths and pip options are not "
+            "accepted (the agents' operator configures the package index)"
+        )
+    return stripped
+
+
+class RuntimeEnv(SpecModel):
+    """Python packages a job needs beyond the agents' interpreter, installed on every node it runs on."""
+
+    pip: Annotated[
+        list[Annotated[str, Field(max_length=MAX_REQUIREMENT_CHARS)]], Field(max_length=MAX_PIP_REQUIREMENTS)
+    ] = Field(default_factory=list, description="Requirements such as 'six==1.16.0'.")
+    requirements: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)] | None = Field(
+        None, description="A requirements file, relative to the workdir (uploaded with it)."
+    )
+
+    @field_validator("pip")
+    @classmethod
+    def _requirements(cls, values: list[str]) -> list[str]:
+        return [check_requirement(value) for value in values]
+
+    @field_validator("requirements")
+    @classmethod
+    def _relative(cls, path: str) -> str:
+        parts = path.replace("\\", "/").split("/")
+        if path.startswith("/") or ".." in parts or "\x00" in path:
+            raise ValueError(f"{path!r} must be a path inside the workdir, such as 'requirements.txt'")
+        return path
+
+    @model_validator(mode="after")
+    def _something(self) -> RuntimeEnv:
+        if not self.pip and self.requirements is None:
+            raise ValueError("runtime_env needs `pip` (a list of requirements) or `requirements` (a file)")
+        return self
+
+
 class JobSpec(SpecModel):
     """A job file. Every field a user may write; nothing else is accepted."""
 
@@ -140,6 +195,9 @@ class JobSpec(SpecModel):
         ],
         Field(max_length=MAX_ENV_VARS),
     ] = Field(default_factory=dict)
+    runtime_env: RuntimeEnv | None = Field(
+        None, description="Python packages to install on every node, resolved once into a lock."
+    )
 
     @field_validator("entrypoint")
     @classmethod

@@ -83,6 +83,8 @@ class JobView(WireModel):
 class JobDetail(JobView):
     events: list[JobEventView]
     allocations: list[AllocationView]
+    # What `spec.runtime_env` resolved to (exact versions with hashes); None until a node resolved it.
+    env_lock: str | None = None
 
 
 class AgentView(WireModel):
@@ -102,9 +104,16 @@ class LogRecord(WireModel):
     id: int
     allocation_id: int
     rank: int | None
-    stream: str
+    stream: str  # "stdout", "stderr", or "setup" (the build of the job's runtime environment)
     time: datetime
     line: str
+
+    @property
+    def source(self) -> str:
+        """Who wrote the line: "rank N", "launcher" (torchrun itself) or "setup"."""
+        if self.stream == "setup":
+            return "setup"
+        return "launcher" if self.rank is None else f"rank {self.rank}"
 
 
 class CheckpointView(WireModel):

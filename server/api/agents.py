@@ -109,6 +109,8 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
                     resume=_resume_point(session, allocation),
                     pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
                     credential=auth.rank_token(allocation.id, allocation.credential or ""),
+                    runtime_env=spec.runtime_env,
+                    env_lock=job.env_lock if spec.runtime_env is not None else None,
                 )
             )
     body = "[" + ",".join(a.model_dump_json() for a in assignments) + "]"
@@ -228,8 +230,21 @@ def node_exit(
     access.agent_acts_as(principal, agent_id)
     with session.begin():
         allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
-        attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason)
+        attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason, body.cause)
     return Response(status_code=204)
+
+
+@router.post("/{agent_id}/allocations/{allocation_id}/environment", response_model=schemas.EnvironmentLocked)
+def environment_lock(
+    agent_id: RowId, allocation_id: RowId, body: schemas.EnvironmentLock, session: SessionDep, principal: AgentDep
+) -> schemas.EnvironmentLocked:
+    """Node rank 0's agent reports what the job's runtime environment resolved to; the answer is
+    the job's lock, which is this one unless another node or attempt reported first."""
+    access.agent_acts_as(principal, agent_id)
+    with session.begin():
+        allocation, _node = attempts.find_node(session, agent_id, allocation_id, 0)
+        lock = attempts.record_environment_lock(session, allocation, body.lock)
+    return schemas.EnvironmentLocked(lock=lock)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)

@@ -99,7 +99,7 @@
       const span = document.createElement("span");
       span.className = line.stream;
       span.dataset.rank = line.rank == null ? "" : String(line.rank);
-      span.textContent = "[" + (line.rank == null ? "launcher" : "rank " + line.rank) + "] " + line.line + "\n";
+      span.textContent = "[" + (line.stream === "setup" ? "setup" : line.rank == null ? "launcher" : "rank " + line.rank) + "] " + line.line + "\n";
       showRank(span);
       fragment.appendChild(span);
       logCursor = line.id;

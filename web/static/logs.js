@@ -18,7 +18,7 @@
       if (rank !== "" && String(line.rank) !== rank) continue;
       const span = document.createElement("span");
       span.className = line.stream;
-      span.textContent = "[" + (line.rank == null ? "launcher" : "rank " + line.rank) + "] " + line.line + "\n";
+      span.textContent = "[" + (line.stream === "setup" ? "setup" : line.rank == null ? "launcher" : "rank " + line.rank) + "] " + line.line + "\n";
       fragment.appendChild(span);
     }
     if (empty && fragment.childNodes.length) empty.remove();
