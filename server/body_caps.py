@@ -18,6 +18,7 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from phalanx.schemas.protocol import MAX_LOCK_CHARS
 from server.settings import Settings
 
 # What any other route may receive: a JSON document of a spec, a registration, a token request.
@@ -46,6 +47,8 @@ def caps_for(settings: Settings) -> Callable[[str, str], int]:
         (re.compile(r"^/submit$"), upload),
         (re.compile(r"^/api/v1/allocations/[^/]+/metrics$"), settings.max_metric_batch_bytes),
         (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/logs$"), settings.max_log_batch_bytes),
+        # a lock as JSON: its newlines escaped, so twice its longest text is ample
+        (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/environment$"), 2 * MAX_LOCK_CHARS),
     ]
 
     def cap(method: str, path: str) -> int:

@@ -109,7 +109,8 @@ class NodeExit(StrictModel):
     cause: Literal["run", "environment"] = "run"
 
 
-MAX_LOCK_CHARS = 1024 * 1024
+# A lock lists every wheel's hash of every package: a large environment's runs to a few hundred KiB.
+MAX_LOCK_CHARS = 4 * 1024 * 1024
 
 
 class EnvironmentLock(StrictModel):

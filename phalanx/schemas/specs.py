@@ -142,7 +142,9 @@ class RuntimeEnv(SpecModel):
 
     @field_validator("requirements")
     @classmethod
-    def _relative(cls, path: str) -> str:
+    def _relative(cls, path: str | None) -> str | None:
+        if path is None:
+            return None
         parts = path.replace("\\", "/").split("/")
         if path.startswith("/") or ".." in parts or "\x00" in path:
             raise ValueError(f"{path!r} must be a path inside the workdir, such as 'requirements.txt'")

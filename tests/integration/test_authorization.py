@@ -171,6 +171,13 @@ ROWS = [
     ),
     Row(
         "POST",
+        "/api/v1/agents/{agent_id}/allocations/{allocation_id}/environment",
+        AGENT_SELF,
+        at("/api/v1/agents/{w.agent}/allocations/{w.ended_allocation}/environment"),
+        json=lambda w: {"lock": "six==1.16.0\n"},
+    ),
+    Row(
+        "POST",
         "/api/v1/agents/{agent_id}/allocations/{allocation_id}/started",
         AGENT_SELF,
         at("/api/v1/agents/{w.agent}/allocations/{w.ended_allocation}/started"),
