@@ -213,7 +213,7 @@ def test_a_requirements_file_is_read_line_by_line(tmp_path: Path, wheelhouse: Pa
 )
 def test_the_spec_refuses_what_is_not_a_plain_requirement(requirement: str) -> None:
     with pytest.raises(ValidationError, match="not a requirement this platform installs"):
-        JobSpec(name="j", entrypoint="python t.py", runtime_env={"pip": [requirement]})  # type: ignore[arg-type]
+        JobSpec(name="j", entrypoint="python t.py", runtime_env={"pip": [requirement]})
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "../up.txt", "a/../../b"])
