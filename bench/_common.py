@@ -153,10 +153,19 @@ def wait_for_job(running: RunningStack, job_id: int, timeout: float) -> JobDetai
         job = client.get_job_change(job_id, job.state, wait=5.0)
 
 
-def phalanx_run(running: RunningStack, epochs: int, timeout: float = 300.0, checkpoint_every: int = 1) -> TrainingRun:
-    """Submit the digits example (2 nodes x 1 cpu slot) and read rank 0's figures from its logs."""
+def phalanx_run(
+    running: RunningStack,
+    epochs: int,
+    timeout: float = 300.0,
+    checkpoint_every: int = 1,
+    spec_update: dict[str, object] | None = None,
+) -> TrainingRun:
+    """Submit the digits example (2 nodes x 1 cpu slot) and read rank 0's figures from its logs;
+    `spec_update`: fields of the job spec to set (validated)."""
     client = running.client
     spec, workdir = digits_spec(epochs, checkpoint_every)
+    if spec_update:
+        spec = JobSpec.model_validate({**spec.model_dump(), **spec_update})
     launched = time.time()
     job = client.submit(spec, workdir)
     detail = wait_for_job(running, job.id, timeout)

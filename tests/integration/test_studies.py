@@ -413,3 +413,31 @@ def test_importance_uses_the_newest_trials_up_to_its_limit(client: TestClient, s
     settings.max_importance_trials = 3  # the app holds this settings object
     newest = client.get(url, headers=USER).json()
     assert set(newest["importances"]) == {"x", "y"} and newest["note"] == "from the newest 3 of 4 COMPLETE trials"
+
+
+def test_every_trial_installs_the_lock_the_first_trial_resolved(client: TestClient, settings: Settings) -> None:
+    body = study_body(parallelism=1, n_trials=3)
+    body["trial"]["runtime_env"] = {"pip": ["phx-probe==1.0"]}
+    study = create(client, body).json()
+    driver(settings).advance(study["id"])
+    (first,) = trials(client, study["id"])
+    allocation, agent = start_trial(client, settings, first["job_id"])
+    lock = "phx-probe==1.0 \\\n    --hash=sha256:aa\n"
+    url = f"/api/v1/agents/{agent}/allocations/{allocation}/environment"
+    assert client.post(url, json={"lock": lock}, headers=as_agent(agent)).json() == {"lock": lock}
+    report(client, allocation, {1: {"loss": 0.5}})
+    finish(client, allocation, agent)
+    assert driver(settings).advance(study["id"]) == 1
+    second = trials(client, study["id"])[1]
+    assert client.get(f"/api/v1/jobs/{second['job_id']}", headers=USER).json()["env_lock"] == lock
+    work = client.get(f"/api/v1/agents/{agent}/work", headers=as_agent(agent)).json()["assignments"]
+    with session_scope(settings.database_url) as session:
+        from scheduler.service import schedule_pass
+
+        schedule_pass(session)
+    assigned = [
+        a
+        for agent_id in [a["id"] for a in client.get("/api/v1/agents", headers=USER).json()]
+        for a in client.get(f"/api/v1/agents/{agent_id}/work", headers=as_agent(agent_id)).json()["assignments"]
+    ]
+    assert work == [] and [a["env_lock"] for a in assigned] == [lock]  # no node of it resolves again
