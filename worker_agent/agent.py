@@ -29,8 +29,8 @@ from phalanx.bundle_limits import BundleLimits, extract_bundle
 from phalanx.client import ApiError, Client, reliably
 from phalanx.schemas import AgentRegistration, Assignment, LogLineIn
 from worker_agent.environments import Environment, EnvironmentFailed, Environments, EnvironmentsConfig
+from worker_agent.forkserver import ForkServer
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env
-from worker_agent.warm import WarmTorchrun
 
 log = logging.getLogger("phalanx.agent")
 # Lines are shipped in batches this often (or at 500 pending): each request costs the server CPU
@@ -43,8 +43,6 @@ MAX_PENDING_BYTES = 8 * 1024 * 1024
 # The agent's own token (from its last registration), beside the jobs' workdirs, never in one:
 # only the agent's OS user may read it.
 AGENT_TOKEN_FILE = "agent-token"
-# Warm torchruns are topped up after this long without a node running here (see prime_when_idle).
-WARM_TOP_UP_IDLE_S = 5.0
 MAX_SETUP_LINE_CHARS = 65_536
 
 
@@ -237,7 +235,6 @@ class NodeRunner(threading.Thread):
             self.agent.remove_later(self.node_dir)
             self.agent.job_users.give_back(user)
             self.agent.forget(self)
-            self.agent.prime_when_idle()
 
     def _prepare(self) -> Path:
         a = self._assignment
@@ -322,15 +319,15 @@ class NodeRunner(threading.Thread):
         with self._changed:
             if self._stop_requested:
                 return -15, "stopped before launch"
-            self._process, warm = NodeProcess.start(
-                a, env, workdir, log_dir, on_line, self.agent.warm, user.popen_args()
+            self._process, forked = NodeProcess.start(
+                a, env, workdir, log_dir, on_line, self.agent.forkserver, user.popen_args()
             )
         log.info(
             "allocation %d node %d: torchrun pid %d (%s)",
             a.allocation_id,
             a.node_rank,
             self._process.pid,
-            "warm" if warm else "cold",
+            "forked" if forked else "cold",
         )
         try:
             reliably(lambda: self.agent.client.node_started(self.agent.agent_id, a.allocation_id, a.node_rank))
@@ -351,9 +348,9 @@ class AgentDaemon:
         self.stopping = threading.Event()
         self.shipper = LogShipper(self)
         self.job_users = JobUsers.parse(config.run_as)
-        # A warm torchrun waits before its job is known, so it cannot wait as that job's user:
-        # with --run-as every node starts cold.
-        self.warm = WarmTorchrun(dict(os.environ), config.work_dir, size=0 if self.job_users.switching else 2)
+        # Every torchrun is forked from one process that imported torch once (forkserver.py); it
+        # switches to the node's user after the fork, so `--run-as` starts warm too.
+        self.forkserver = ForkServer(dict(os.environ), config.work_dir)
         self.environments = Environments(
             EnvironmentsConfig(
                 root=config.work_dir / "envs",
@@ -411,23 +408,6 @@ class AgentDaemon:
                 if value is runner:
                     del self._runners[key]
 
-    def prime_when_idle(self) -> None:
-        """Top up the warm torchruns once no node has run here for a while.
-
-        Not at once: a restart's nodes arrive a fraction of a second after the failed attempt's
-        ended, and an import costs ~1.5 s of CPU their ranks would lose (measured: ~0.5 s slower
-        restarts on 2 cores)."""
-
-        def check() -> None:
-            with self._lock:
-                idle = not self._runners
-            if idle and not self.stopping.is_set():
-                self.warm.prime()
-
-        timer = threading.Timer(WARM_TOP_UP_IDLE_S, check)
-        timer.daemon = True
-        timer.start()
-
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.config.heartbeat_interval):
             try:
@@ -466,7 +446,7 @@ class AgentDaemon:
         self.environments.sweep()
         threading.Thread(target=self.environments.prepare, name="env-prepare", daemon=True).start()
         self.register()
-        self.warm.prime()
+        self.forkserver.start()
         self.shipper.start()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         version = ""
@@ -496,7 +476,7 @@ class AgentDaemon:
             runner.update(None)
         for runner in runners:
             runner.join(timeout=self.config.kill_grace + 5)
-        self.warm.close()
+        self.forkserver.close()
 
 
 @dataclass(frozen=True)

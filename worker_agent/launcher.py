@@ -19,12 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
 from phalanx.schemas import Assignment
-from worker_agent.warm import WarmTorchrun
+from worker_agent.forkserver import ForkServer
 
 # torchrun --tee prefixes every line of a rank with "[<role><local_rank>]:".
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
@@ -157,12 +157,24 @@ def rank_env(a: Assignment, base: dict[str, str], server_url: str, address: str)
     return env
 
 
+class Torchrun(Protocol):
+    """A started torchrun: a `subprocess.Popen`, or a `ForkedProcess` from the fork-server."""
+
+    pid: int
+    stdout: Any
+    stderr: Any
+
+    def wait(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
 class NodeProcess:
     """One torchrun and its ranks. `on_line(rank, stream, line)` gets every output line."""
 
     def __init__(
         self,
-        proc: subprocess.Popen[bytes],
+        proc: Torchrun,
         node_rank: int,
         nproc: int,
         on_line: Callable[[int | None, str, str], None],
@@ -184,11 +196,14 @@ class NodeProcess:
         cwd: Path,
         log_dir: Path,
         on_line: Callable[[int | None, str, str], None],
-        warm: WarmTorchrun | None = None,
+        forkserver: ForkServer | None = None,
         popen_args: dict[str, Any] | None = None,
     ) -> tuple[NodeProcess, bool]:
-        """torchrun for this node, from the warm process when one waits; (process, was it warm)."""
-        proc = warm.take(torchrun_args(a, log_dir), env, cwd) if warm is not None else None
+        """torchrun for this node, forked by the fork-server when it can; (process, was it warm)."""
+        user = popen_args or {}
+        proc: Torchrun | None = None
+        if forkserver is not None:
+            proc = forkserver.launch(torchrun_args(a, log_dir), env, cwd, user.get("user"), user.get("group"))
         was_warm = proc is not None
         if proc is None:
             proc = subprocess.Popen(
@@ -226,6 +241,10 @@ class NodeProcess:
         code = self._proc.wait()
         for pump in self._pumps:
             pump.join(timeout=10)
+        for stream in (self._proc.stdout, self._proc.stderr):
+            if not any(pump.is_alive() for pump in self._pumps):
+                with contextlib.suppress(OSError):
+                    stream.close()
         return code
 
     def poll(self) -> int | None:

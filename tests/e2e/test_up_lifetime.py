@@ -103,7 +103,7 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 def wait_until_up(terminal: Terminal) -> list[psutil.Process]:
     """Until the stack serves and its agents registered; then every process of its tree: the
-    server, the scheduler, the agents and what the agents started (their warm torchruns, in
+    server, the scheduler, the agents and what the agents started (their fork-servers, in
     sessions of their own, which no terminal signal reaches)."""
     with Client(terminal.url, ADMIN_TOKEN) as client:
         wait_for(
@@ -115,8 +115,8 @@ def wait_until_up(terminal: Terminal) -> list[psutil.Process]:
     components = psutil.Process(terminal.pid).children()
     assert len(components) == 2 + AGENTS, [c.cmdline() for c in components]
     agents = [c for c in components if "agent" in c.cmdline()]
-    # an agent starts its warm torchruns right after it registers
-    wait_for(lambda: all(a.children() for a in agents), 60, "every agent to start its warm torchruns")
+    # an agent starts its fork-server right after it registers
+    wait_for(lambda: all(a.children() for a in agents), 60, "every agent to start its fork-server")
     terminal.tree = descendants(terminal.pid)
     assert len(terminal.tree) > len(components)
     return terminal.tree
