@@ -262,7 +262,7 @@ class RunningStack:
 
 def wait_quiet(pids: Callable[[], list[int]], timeout: float = 60.0) -> None:
     """Until the stack's process trees are idle (< 0.05 CPU-s in each of two 0.5 s samples): what
-    the previous run left to do (reports landing, agents topping up their warm torchruns) must not
+    the previous run left to do (reports landing, a fork-server importing torch) must not
     share the cores with the next measurement."""
     deadline = time.monotonic() + timeout
     quiet_samples = 0

@@ -14,7 +14,7 @@ from rich.table import Table
 from phalanx.cli.live import follow
 from phalanx.cli.output import JsonOpt, api, console, fail, fmt_metrics, print_json
 from phalanx.client import SpecError
-from phalanx.schemas import JobState, JobView, QueuePlace
+from phalanx.schemas import JobDetail, JobState, JobView, QueuePlace
 
 app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
@@ -82,6 +82,17 @@ def jobs_list(
     console.print(table)
 
 
+def describe_runtime_env(job: JobDetail) -> str:
+    """What the job asked for, and what it resolved to (exact versions; hashes are in --json)."""
+    env = job.spec.runtime_env
+    assert env is not None
+    asked = " ".join([*env.pip, *([f"-r {env.requirements}"] if env.requirements else [])])
+    if job.env_lock is None:
+        return f"{asked} (not resolved yet: node rank 0 resolves it at the first start)"
+    pins = [line.split()[0] for line in job.env_lock.splitlines() if line and not line[0].isspace() and "==" in line]
+    return f"{asked} -> {' '.join(pins)} (build log: `phalanx jobs logs {job.id}`, lines [setup])"
+
+
 @app.command("show")
 def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
     """A job's state, why it waits or failed, latest metrics, attempts and events."""
@@ -102,6 +113,8 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
         console.print(f"waiting: {job.wait_reason}")
     if job.failure_reason:
         console.print(f"[red]failed:[/] {job.failure_reason}")
+    if job.spec.runtime_env is not None:
+        console.print(f"runtime env: {describe_runtime_env(job)}", markup=False, highlight=False)
     if job.latest_metrics:
         console.print(f"step {job.latest_step}: {fmt_metrics(job.latest_metrics)}")
     for allocation in job.allocations:

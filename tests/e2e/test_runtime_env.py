@@ -12,7 +12,7 @@ import pytest
 from phalanx.client import Client
 from phalanx.schemas import JobSpec, JobState
 from tests.conftest import call_failed
-from tests.processes import Stack
+from tests.processes import Stack, cli
 from tests.wheels import make_wheel
 
 pytestmark = pytest.mark.e2e
@@ -91,6 +91,8 @@ def test_a_two_node_job_imports_a_package_the_agents_lack(stack: Stack, tmp_path
         nodes = {n.agent_name for n in done.allocations[0].nodes}
         assert nodes == {"node-a", "node-b"}
         assert sum("[setup] building environment" in line for line in output) == 2  # one per node
+        shown = cli(stack, "jobs", "show", str(done.id)).stdout
+        assert "runtime env: -r requirements.txt -> phx-probe==1.0" in " ".join(shown.split()), shown
 
         # One pin changed: a new environment, with the new version in it.
         spec, workdir = probe_job(tmp_path, "phx-probe==1.1", nodes=2, name="probe-new")
@@ -113,6 +115,8 @@ def test_a_missing_package_fails_the_job_once_naming_it(stack: Stack, tmp_path: 
         assert "not restarted" in (done.failure_reason or "")
         assert done.attempts == 1 and done.restarts_used == 0 and done.env_lock is None
         assert any("[setup]" in line and "phx-nowhere" in line for line in lines(client, done.id))
+        shown = " ".join(cli(stack, "jobs", "show", str(done.id)).stdout.split())
+        assert "phx-nowhere" in shown and "not resolved yet" in shown, shown
 
 
 def test_jobs_sharing_requirements_build_once_and_a_restarted_agent_keeps_them(stack: Stack, tmp_path: Path) -> None:

@@ -185,6 +185,26 @@ def test_the_logs_page_filters_by_rank_and_escapes(client: TestClient, settings:
     assert client.get("/jobs/999/logs").status_code == 404
 
 
+def test_the_job_page_shows_the_runtime_env_its_lock_and_its_setup_lines(
+    client: TestClient, settings: Settings
+) -> None:
+    job_id = submit(client, resources={"nodes": 1}, runtime_env={"pip": ["phx-probe==1.0"]})
+    sign_in(client)
+    assert "phx-probe==1.0</code> · not resolved yet" in client.get(f"/jobs/{job_id}").text
+    schedule(settings)
+    (allocation,) = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"]
+    agent = allocation["nodes"][0]["agent_id"]
+    base = f"/api/v1/agents/{agent}/allocations/{allocation['id']}"
+    lock = "phx-probe==1.0 \\\n    --hash=sha256:<b>aa</b>\n"
+    assert client.post(f"{base}/environment", json={"lock": lock}, headers=as_agent(agent)).status_code == 200
+    line = {"rank": None, "stream": "setup", "time": 0.0, "line": "building environment 0123abcd"}
+    assert client.post(f"{base}/logs", json={"lines": [line]}, headers=as_agent(agent)).status_code == 204
+    page = client.get(f"/jobs/{job_id}").text
+    assert "the lock every node installs" in page and "--hash=sha256:&lt;b&gt;aa&lt;/b&gt;" in page
+    assert "[setup] building environment 0123abcd" in page
+    assert "[setup] building environment 0123abcd" in client.get(f"/jobs/{job_id}/logs").text
+
+
 def test_checkpoint_downloads_need_a_session_and_a_checkpoint(client: TestClient) -> None:
     job_id = submit(client)
     assert client.get(f"/jobs/{job_id}/checkpoints/5/archive").status_code == 303
