@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -47,7 +48,7 @@ import traceback
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 log = logging.getLogger("phalanx.agent")
 TORCHRUN_MODULE = "torch.distributed.run"
@@ -65,7 +66,7 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """One message and the fds that came with it; None at end of stream."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 2)
+    head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 3)
     if not head:
         return None
     while len(head) < _HEADER.size:
@@ -112,9 +113,11 @@ class ForkedProcess:
 class _Connection:
     """One server process and what the agent awaits from it."""
 
-    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes], rank_address: str) -> None:
         self.sock = sock
         self.proc = proc
+        self.rank_address = rank_address
+        self.forks_ranks = False  # the server listens for rank shims (it says so when ready)
         self.ready = threading.Event()
         self.lock = threading.Lock()  # one message at a time on the socket; the maps below
         self.pending: dict[int, Future[ForkedProcess]] = {}
@@ -126,8 +129,10 @@ class ForkServer:
     """The agent's side: starts the server, asks it for torchruns, learns how they ended."""
 
     def __init__(self, base_env: dict[str, str], cwd: Path) -> None:
-        # The agent's own PHALANX_* settings stay out of it, as they stay out of the ranks.
+        # The agent's own PHALANX_* settings stay out of it, as they stay out of the ranks. Its
+        # streams are unbuffered, as a rank's are (PYTHONUNBUFFERED): a forked child keeps them.
         self._env = {k: v for k, v in base_env.items() if not k.startswith("PHALANX_")}
+        self._env["PYTHONUNBUFFERED"] = "1"
         self._cwd = cwd
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -143,10 +148,11 @@ class ForkServer:
             if self._closed or (self._conn is not None and self._conn.proc.poll() is None):
                 return
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            rank_address = f"phalanx-fork-{os.getpid()}-{secrets.token_hex(8)}"
             try:
                 self._cwd.mkdir(parents=True, exist_ok=True)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "worker_agent.forkserver", str(theirs.fileno())],
+                    [sys.executable, "-m", "worker_agent.forkserver", str(theirs.fileno()), rank_address],
                     env=self._env,
                     cwd=self._cwd,
                     pass_fds=[theirs.fileno()],
@@ -159,8 +165,17 @@ class ForkServer:
                 return
             finally:
                 theirs.close()
-            self._conn = _Connection(ours, proc)
+            self._conn = _Connection(ours, proc, rank_address)
             threading.Thread(target=self._read, args=(self._conn,), name="forkserver", daemon=True).start()
+
+    def rank_socket(self) -> str | None:
+        """Where a rank shim asks this server for its rank (PHALANX_FORK_SOCKET); None: it cannot."""
+        self.start()
+        with self._lock:
+            conn = self._conn if not self._closed else None
+        if conn is None or not conn.ready.wait(READY_TIMEOUT_S) or not conn.forks_ranks:
+            return None
+        return conn.rank_address
 
     def launch(
         self, args: list[str], env: dict[str, str], cwd: Path, uid: int | None = None, gid: int | None = None
@@ -202,6 +217,7 @@ class ForkServer:
             while (received := _receive(conn.sock)) is not None:
                 message, _fds = received
                 if message.get("ready"):
+                    conn.forks_ranks = bool(message.get("ranks"))
                     conn.ready.set()
                 elif "exit" in message:
                     with conn.lock:
@@ -276,7 +292,7 @@ def _await_gone(child: ForkedProcess) -> None:
 # --- the server process ----------------------------------------------------------------------------
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, rank_address: str | None = None) -> None:
     import torch.distributed.run  # noqa: F401 - the whole point: paid for once, before any request
 
     wake_r, wake_w = os.pipe()
@@ -284,23 +300,52 @@ def serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     selector = selectors.DefaultSelector()
-    selector.register(sock, selectors.EVENT_READ, "request")
+    selector.register(sock, selectors.EVENT_READ, "agent")
     selector.register(wake_r, selectors.EVENT_READ, "child")
-    _send(sock, {"ready": True})
+    listener = _rank_listener(rank_address)
+    if listener is not None:
+        selector.register(listener, selectors.EVENT_READ, "listener")
+    ranks: dict[int, socket.socket] = {}  # a forked rank's pid -> its shim's connection
+    _send(sock, {"ready": True, "ranks": listener is not None})
     while True:
         for key, _ in selector.select():
             if key.data == "child":
                 os.read(wake_r, 4096)
-                _reap(sock)
-                continue
-            received = _receive(sock)
-            if received is None:  # the agent is gone
-                return
-            message, fds = received
-            _fork(sock, message, fds, (wake_r, wake_w))
+                _reap(sock, ranks, selector)
+            elif key.data == "listener":
+                assert listener is not None
+                with contextlib.suppress(OSError):
+                    conn, _ = listener.accept()
+                    selector.register(conn, selectors.EVENT_READ, "shim")
+            elif key.data == "shim":
+                shim: socket.socket = key.fileobj  # type: ignore[assignment]
+                try:
+                    _shim_request(shim, ranks, selector)
+                except (OSError, ValueError):  # that shim went away mid-request: its problem only
+                    _drop(shim, ranks, selector)
+            else:
+                received = _receive(sock)
+                if received is None:  # the agent is gone
+                    return
+                message, fds = received
+                _fork(sock, message, fds)
 
 
-def _reap(sock: socket.socket) -> None:
+def _rank_listener(address: str | None) -> socket.socket | None:
+    """Where rank shims ask for a rank: an abstract Unix socket (this network namespace only)."""
+    if not address:
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + address)
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
+def _reap(sock: socket.socket, ranks: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -308,10 +353,80 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
+        code = os.waitstatus_to_exitcode(status)
+        shim = ranks.pop(pid, None)
+        if shim is None:
+            _send(sock, {"pid": pid, "exit": code})
+            continue
+        with contextlib.suppress(OSError):
+            _send(shim, {"exit": code})
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(shim)
+        shim.close()
 
 
-def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int], wake: tuple[int, int]) -> None:
+def _shim_request(conn: socket.socket, ranks: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    """A rank shim asks for its rank, or relays a signal to it, or hangs up: its rank dies with it."""
+    try:
+        received = _receive(conn)
+    except (OSError, ValueError):
+        received = None
+    if received is None:  # the shim is gone (torchrun killed it): so is its rank, and its group
+        _drop(conn, ranks, selector)
+        return
+    message, fds = received
+    if message.get("signal") is not None:
+        for pid, shim in ranks.items():
+            if shim is conn:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, int(message["signal"]))
+        return
+    uid, gid = _peer(conn)
+    if uid != os.getuid() and os.getuid() != 0:
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"error": "this server cannot run a rank as another user"})
+        return
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"error": "a rank needs its stdin, stdout and stderr"})
+        return
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"error": f"fork failed: {exc}"})
+        return
+    if pid == 0:
+        _rank_child(message, fds, uid, gid)  # never returns
+    for fd in fds:
+        os.close(fd)
+    ranks[pid] = conn
+    _send(conn, {"pid": pid})
+
+
+def _drop(conn: socket.socket, ranks: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    """A shim's connection closed: its rank (and the rank's process group) is killed, and reaped
+    later like any child."""
+    for pid, shim in list(ranks.items()):
+        if shim is conn:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(KeyError, ValueError):
+        selector.unregister(conn)
+    conn.close()
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The uid and gid of the process at the other end: a rank runs as whoever asked for it."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, gid = struct.unpack("3i", creds)
+    return uid, gid
+
+
+def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
     if len(fds) != 2:
         for fd in fds:
             os.close(fd)
@@ -325,44 +440,84 @@ def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int], wake: tu
         _send(sock, {"id": message["id"], "error": f"fork failed: {exc}"})
         return
     if pid == 0:
-        _child(sock, message, fds, wake)  # never returns
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        uid, gid = message.get("uid"), message.get("gid")
+        _become([devnull, *fds], message["cwd"], message["env"], uid, gid if gid is not None else uid)
+        _exit_now(_run_torchrun(message["args"]))
     for fd in fds:
         os.close(fd)
     _send(sock, {"id": message["id"], "pid": pid})
 
 
-def _child(sock: socket.socket, message: dict[str, Any], fds: list[int], wake: tuple[int, int]) -> None:
-    code = 1
+def _become(stdio: list[int], cwd: str, env: dict[str, str], uid: int | None, gid: int | None) -> None:
+    """In a forked child: a session of its own, `stdio` as fds 0-2 and no other fd of the server's,
+    the given user, working directory and environment."""
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        sock.close()
-        for fd in wake:
-            os.close(fd)
         os.setsid()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in (devnull, *fds):
-            os.close(fd)
-        if message.get("uid") is not None:  # the job's user (`--run-as`); the server runs as root then
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        os.closerange(3, 65536)
+        if uid is not None and uid != os.getuid():  # the job's user; the server runs as root then
             os.setgroups([])
-            os.setgid(message["gid"] if message.get("gid") is not None else message["uid"])
-            os.setuid(message["uid"])
-        os.chdir(message["cwd"])
+            os.setgid(gid if gid is not None else uid)
+            os.setuid(uid)
+        os.chdir(cwd)
         os.environ.clear()
-        os.environ.update(message["env"])
-        code = _run_torchrun(message["args"])
+        os.environ.update(env)
     except BaseException:
         traceback.print_exc()
-    finally:
-        # torchrun is done and its ranks are gone: skip the interpreter's teardown of torch (~0.3 s
-        # here), because the agent reports the node's exit, and a restart starts, only after it.
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a forked child without the interpreter's teardown of torch (~0.3 s here): the agent
+    reports the node's exit, and a restart starts, only after it. Exit handlers still run."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _rank_child(message: dict[str, Any], fds: list[int], uid: int, gid: int) -> NoReturn:
+    """A rank: the shim's `python ARGS`, run in this process, which imported torch already."""
+    import runpy
+
+    env: dict[str, str] = message["env"]
+    _become(fds, message["cwd"], env, uid, gid)
+    code = 0
+    try:
+        threads = env.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            import torch
+
+            # OpenMP read its settings when torch loaded here, under the agent's environment
+            torch.set_num_threads(int(threads))
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        argv: list[str] = message["argv"]
+        if argv[0] == "-m":
+            sys.path[:1] = [os.getcwd(), *extra]
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # as an uncaught exception would: the traceback, then exit status 1
+        traceback.print_exc()
+        code = 1
+    _exit_now(code)
 
 
 def _run_torchrun(args: list[str]) -> int:
@@ -388,7 +543,7 @@ def _run_torchrun(args: list[str]) -> int:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     with contextlib.suppress(OSError, ValueError):  # the agent is gone, or sent what no agent sends
-        serve(sock)
+        serve(sock, sys.argv[2] if len(sys.argv) > 2 else None)
 
 
 if __name__ == "__main__":

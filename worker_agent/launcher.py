@@ -101,9 +101,13 @@ def torchrun_command(a: Assignment, log_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(a, log_dir)]
 
 
-def torchrun_args(a: Assignment, log_dir: Path) -> list[str]:
-    """torchrun's arguments (what follows `python -m torch.distributed.run`)."""
+def torchrun_args(a: Assignment, log_dir: Path, warm_ranks: bool = False) -> list[str]:
+    """torchrun's arguments (what follows `python -m torch.distributed.run`); `warm_ranks`: a
+    `python` entrypoint runs through the rank shim, which has the fork-server fork each rank."""
     assert a.master_port is not None
+    entry = entry_argv(a.entrypoint)
+    if warm_ranks and entry and entry[0] == sys.executable:
+        entry = [sys.executable, "-m", "worker_agent.rank_shim", *entry[1:]]
     return [
         f"--nnodes={a.nnodes}",
         f"--node-rank={a.node_rank}",
@@ -117,7 +121,7 @@ def torchrun_args(a: Assignment, log_dir: Path) -> list[str]:
         "--tee=3",
         f"--log-dir={log_dir}",
         "--no-python",
-        *entry_argv(a.entrypoint),
+        *entry,
     ]
 
 
@@ -203,7 +207,11 @@ class NodeProcess:
         user = popen_args or {}
         proc: Torchrun | None = None
         if forkserver is not None:
-            proc = forkserver.launch(torchrun_args(a, log_dir), env, cwd, user.get("user"), user.get("group"))
+            rank_socket = forkserver.rank_socket()
+            if rank_socket is not None:
+                env = {**env, "PHALANX_FORK_SOCKET": rank_socket}
+            args = torchrun_args(a, log_dir, warm_ranks=rank_socket is not None)
+            proc = forkserver.launch(args, env, cwd, user.get("user"), user.get("group"))
         was_warm = proc is not None
         if proc is None:
             proc = subprocess.Popen(

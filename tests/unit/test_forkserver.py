@@ -103,3 +103,81 @@ def test_the_server_leaves_when_the_agent_goes_and_a_new_one_starts(tmp_path: Pa
     output(proc)
     server.close()
     assert server.launch(torchrun_args(free_port(), script), dict(os.environ), tmp_path) is None  # closed
+
+
+RANK_SCRIPT = """
+import os, sys, time
+import torch
+print("rank", os.environ["RANK"], "threads", torch.get_num_threads(), "argv", sys.argv[1:], flush=True)
+print("parent", os.getppid(), flush=True)
+if os.environ.get("SLEEP"):
+    time.sleep(float(os.environ["SLEEP"]))
+sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+"""
+
+
+def rank_args(port: int, script: Path, nproc: int = 2) -> list[str]:
+    shim = [sys.executable, "-m", "worker_agent.rank_shim", str(script), "--flag"]
+    return [
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--rdzv-backend=static",
+        "--max-restarts=0",
+        "--no-python",
+        *shim,
+    ]
+
+
+def test_ranks_are_forked_too_with_their_threads_args_and_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    server = ForkServer(dict(os.environ), tmp_path)
+    try:
+        address = server.rank_socket()
+        assert address is not None
+        env = {**os.environ, "PHALANX_FORK_SOCKET": address, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+        proc = server.launch(rank_args(free_port(), script), env, tmp_path)
+        assert proc is not None
+        out, err = output(proc)
+        assert proc.wait(timeout=120) == 0, err
+        for rank in (0, 1):
+            assert f"rank {rank} threads 1 argv ['--flag']" in out, out
+        assert server._proc is not None
+        assert out.count(f"parent {server._proc.pid}") == 2, out  # forked by the server, not started cold
+        failing = server.launch(rank_args(free_port(), script, nproc=1), {**env, "EXIT_WITH": "7"}, tmp_path)
+        assert failing is not None
+        _, err = output(failing)
+        assert failing.wait(timeout=120) == 1 and "exitcode  : 7" in err, err
+    finally:
+        server.close()
+
+
+def test_a_killed_shim_takes_its_forked_rank_with_it(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    server = ForkServer(dict(os.environ), tmp_path)
+    try:
+        address = server.rank_socket()
+        assert address is not None
+        env = {**os.environ, "PHALANX_FORK_SOCKET": address, "SLEEP": "120"}
+        proc = server.launch(rank_args(free_port(), script, nproc=1), env, tmp_path)
+        assert proc is not None
+        assert server._proc is not None
+        server_side = psutil.Process(server._proc.pid)
+        deadline = time.monotonic() + 60
+        while len(server_side.children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the torchrun, then the rank it asked for
+        ranks = [p for p in server_side.children() if p.pid != proc.pid]
+        assert ranks, "no rank was forked"
+        shims = psutil.Process(proc.pid).children()
+        assert shims and "worker_agent.rank_shim" in " ".join(shims[0].cmdline())
+        for shim in shims:
+            shim.send_signal(signal.SIGKILL)  # what the agent's stop does to the tree it sees
+        psutil.wait_procs(ranks, timeout=30)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+        proc.wait(timeout=60)
+        output(proc)
+    finally:
+        server.close()
