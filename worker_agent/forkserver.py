@@ -23,6 +23,10 @@ Wire: each message is a 4-byte big-endian length and that much JSON.
                      {"id": n, "pid": p}             the child was forked
                      {"id": n, "error": "..."}       it could not be
                      {"pid": p, "exit": code}        it ended (negative: killed by that signal)
+    rank shim -> server (abstract socket PHALANX_FORK_SOCKET; see rank_shim.py)
+                     {"argv": [...], "env": {...}, "cwd": "..."} with three fds: stdin, stdout, stderr
+                     {"signal": n}                   for its rank
+    server -> shim   {"pid": p} | {"error": "..."}, then {"exit": code}
 
 Contract (agent side, `ForkServer`): `launch()` returns a started `ForkedProcess` or None, never
 raises; on None the caller starts a cold torchrun. The server exits when the agent's end of the
@@ -383,21 +387,15 @@ def _shim_request(conn: socket.socket, ranks: dict[int, socket.socket], selector
         return
     uid, gid = _peer(conn)
     if uid != os.getuid() and os.getuid() != 0:
-        for fd in fds:
-            os.close(fd)
-        _send(conn, {"error": "this server cannot run a rank as another user"})
+        _refuse(conn, fds, {"error": "this server cannot run a rank as another user"})
         return
     if len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
-        _send(conn, {"error": "a rank needs its stdin, stdout and stderr"})
+        _refuse(conn, fds, {"error": "a rank needs its stdin, stdout and stderr"})
         return
     try:
         pid = os.fork()
     except OSError as exc:
-        for fd in fds:
-            os.close(fd)
-        _send(conn, {"error": f"fork failed: {exc}"})
+        _refuse(conn, fds, {"error": f"fork failed: {exc}"})
         return
     if pid == 0:
         _rank_child(message, fds, uid, gid)  # never returns
@@ -405,6 +403,13 @@ def _shim_request(conn: socket.socket, ranks: dict[int, socket.socket], selector
         os.close(fd)
     ranks[pid] = conn
     _send(conn, {"pid": pid})
+
+
+def _refuse(sock: socket.socket, fds: list[int], answer: dict[str, Any]) -> None:
+    """Answer a request that forks nothing: the fds it brought are closed here."""
+    for fd in fds:
+        os.close(fd)
+    _send(sock, answer)
 
 
 def _drop(conn: socket.socket, ranks: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
@@ -428,16 +433,12 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
 
 def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
     if len(fds) != 2:
-        for fd in fds:
-            os.close(fd)
-        _send(sock, {"id": message.get("id"), "error": "a launch needs its stdout and stderr"})
+        _refuse(sock, fds, {"id": message.get("id"), "error": "a launch needs its stdout and stderr"})
         return
     try:
         pid = os.fork()
     except OSError as exc:
-        for fd in fds:
-            os.close(fd)
-        _send(sock, {"id": message["id"], "error": f"fork failed: {exc}"})
+        _refuse(sock, fds, {"id": message["id"], "error": f"fork failed: {exc}"})
         return
     if pid == 0:
         devnull = os.open(os.devnull, os.O_RDONLY)
