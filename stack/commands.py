@@ -155,6 +155,13 @@ def agent(
             help="Let runtime environments build packages from source (runs their build code as the agent's user).",
         ),
     ] = False,
+    fork_ranks: Annotated[
+        bool,
+        typer.Option(
+            envvar="PHALANX_FORK_RANKS",
+            help="Fork ranks from the agent's fork-server too (faster starts; failure reasons may name a peer).",
+        ),
+    ] = False,
     max_bundle_files: Annotated[int, typer.Option(envvar="PHALANX_MAX_BUNDLE_FILES")] = DEFAULT_MAX_FILES,
     max_bundle_unpacked_bytes: Annotated[
         int, typer.Option(envvar="PHALANX_MAX_BUNDLE_UNPACKED_BYTES")
@@ -188,6 +195,7 @@ def agent(
         env_build_timeout=env_build_timeout,
         env_cache_bytes=int(env_cache_gib * 1024**3),
         env_source_builds=env_source_builds,
+        fork_ranks=fork_ranks,
     )
     daemon = AgentDaemon(config)
 

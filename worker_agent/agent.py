@@ -70,6 +70,10 @@ class AgentConfig:
     env_build_timeout: float = 900.0
     env_cache_bytes: int = 20 * 1024**3
     env_source_builds: bool = False
+    # Ranks forked from the fork-server too (rank_shim.py). Off by default: the extra hop lets a
+    # peer's collateral failure be reported before the failing rank's own, so the job's failure
+    # reason can name the wrong node (to be fixed where the server settles an attempt's cause).
+    fork_ranks: bool = False
 
 
 class LogShipper(threading.Thread):
@@ -320,7 +324,7 @@ class NodeRunner(threading.Thread):
             if self._stop_requested:
                 return -15, "stopped before launch"
             self._process, forked = NodeProcess.start(
-                a, env, workdir, log_dir, on_line, self.agent.forkserver, user.popen_args()
+                a, env, workdir, log_dir, on_line, self.agent.forkserver, user.popen_args(), cfg.fork_ranks
             )
         log.info(
             "allocation %d node %d: torchrun pid %d (%s)",

@@ -202,12 +202,13 @@ class NodeProcess:
         on_line: Callable[[int | None, str, str], None],
         forkserver: ForkServer | None = None,
         popen_args: dict[str, Any] | None = None,
+        fork_ranks: bool = False,
     ) -> tuple[NodeProcess, bool]:
         """torchrun for this node, forked by the fork-server when it can; (process, was it warm)."""
         user = popen_args or {}
         proc: Torchrun | None = None
         if forkserver is not None:
-            rank_socket = forkserver.rank_socket()
+            rank_socket = forkserver.rank_socket() if fork_ranks else None
             if rank_socket is not None:
                 env = {**env, "PHALANX_FORK_SOCKET": rank_socket}
             args = torchrun_args(a, log_dir, warm_ranks=rank_socket is not None)
