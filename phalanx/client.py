@@ -434,7 +434,8 @@ class Client:
     def node_exited(
         self, agent_id: int, allocation_id: int, node_rank: int, exit_code: int, reason: str = "", cause: str = "run"
     ) -> None:
-        """`cause="environment"`: the node's runtime environment could not be built (the job fails)."""
+        """`cause`: "run" (the node ran and ended), "environment" (its runtime environment could not
+        be built: the job fails), "stopped" (it ended because Phalanx asked it to stop)."""
         body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:], "cause": cause}
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
 

@@ -234,6 +234,35 @@ def end_attempt(session: Session, job: Job, allocation: Allocation, failure: Fai
     _end_allocation(session, job, allocation)
 
 
+# What a rank prints when a collective or the rendezvous store broke under it because a peer died:
+# gloo, NCCL and c10d's own words. Such a failure is collateral; the peer's explains the attempt.
+_PEER_FAILURE_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Check the logs of the remote worker",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "DistNetworkError",
+)
+
+
+def _collateral(reason: str) -> bool:
+    return any(marker in reason for marker in _PEER_FAILURE_MARKERS)
+
+
+def _prefer_own_failure(allocation: Allocation, failure: Failure) -> None:
+    """A node failing after the attempt began ending may still be its cause.
+
+    The first failure reported ends the attempt, but a rank's death breaks its peers' collectives
+    within milliseconds, and which node reports first is a race. So a later failure whose ranks did
+    not die of a broken connection replaces a first one whose did."""
+    current = allocation.end_reason or ""
+    if allocation.end_budget == "job" and _collateral(current) and not _collateral(failure.reason):
+        allocation.end_reason = failure.reason
+
+
 def _node_failure(node: AllocationNode, cause: str) -> Failure:
     if cause == "environment":
         return Failure("fatal", f"the runtime environment failed on agent {node.agent.name}: {node.reason}")
@@ -280,6 +309,8 @@ def record_node_exit(
     ending = allocation.end_reason is not None or job.state not in RUNNING_STATES
     if not ending and exit_code != 0:
         end_attempt(session, job, allocation, _node_failure(node, cause))
+    elif ending and exit_code != 0 and cause == "run":
+        _prefer_own_failure(allocation, _node_failure(node, cause))
     elif not ending and all(n.state == NodeState.EXITED.value and n.exit_code == 0 for n in allocation.nodes):
         transition(session, job, JobState.COMPLETED, "every rank exited with code 0")
     _end_allocation(session, job, allocation)

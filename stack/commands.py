@@ -159,9 +159,10 @@ def agent(
         bool,
         typer.Option(
             envvar="PHALANX_FORK_RANKS",
-            help="Fork ranks from the agent's fork-server too (faster starts; failure reasons may name a peer).",
+            help="Fork ranks from the agent's fork-server (no rank imports torch at start); "
+            "--no-fork-ranks starts each rank as a fresh interpreter.",
         ),
-    ] = False,
+    ] = True,
     max_bundle_files: Annotated[int, typer.Option(envvar="PHALANX_MAX_BUNDLE_FILES")] = DEFAULT_MAX_FILES,
     max_bundle_unpacked_bytes: Annotated[
         int, typer.Option(envvar="PHALANX_MAX_BUNDLE_UNPACKED_BYTES")

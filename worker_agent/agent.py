@@ -70,10 +70,8 @@ class AgentConfig:
     env_build_timeout: float = 900.0
     env_cache_bytes: int = 20 * 1024**3
     env_source_builds: bool = False
-    # Ranks forked from the fork-server too (rank_shim.py). Off by default: the extra hop lets a
-    # peer's collateral failure be reported before the failing rank's own, so the job's failure
-    # reason can name the wrong node (to be fixed where the server settles an attempt's cause).
-    fork_ranks: bool = False
+    # Ranks forked from the fork-server too (rank_shim.py), not only torchrun: no rank imports torch.
+    fork_ranks: bool = True
 
 
 class LogShipper(threading.Thread):
@@ -214,9 +212,9 @@ class NodeRunner(threading.Thread):
             environment = self._environment(workdir)
             ready = self._await_rendezvous() if not self._stopped() else None
             if ready is None:
-                exit_code, reason = -15, "stopped before launch"
+                exit_code, reason, cause = -15, "stopped before launch", "stopped"
             else:
-                exit_code, reason = self._launch_and_wait(ready, workdir, user, environment)
+                exit_code, reason, cause = self._launch_and_wait(ready, workdir, user, environment)
         except EnvironmentFailed as exc:
             exit_code, reason, cause = 1, str(exc), "environment"
             self._setup_line(f"the environment failed: {exc}")
@@ -303,7 +301,7 @@ class NodeRunner(threading.Thread):
 
     def _launch_and_wait(
         self, a: Assignment, workdir: Path, user: JobUser, environment: Environment | None
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, str]:
         cfg = self.agent.config
         env = rank_env(a, dict(os.environ), cfg.server_url, cfg.address)
         if environment is not None:
@@ -322,7 +320,7 @@ class NodeRunner(threading.Thread):
 
         with self._changed:
             if self._stop_requested:
-                return -15, "stopped before launch"
+                return -15, "stopped before launch", "stopped"
             self._process, forked = NodeProcess.start(
                 a, env, workdir, log_dir, on_line, self.agent.forkserver, user.popen_args(), cfg.fork_ranks
             )
@@ -340,8 +338,10 @@ class NodeRunner(threading.Thread):
             log.warning("start report refused (%s); stopping", exc)
             self._process.stop(cfg.kill_grace)
         code = self._process.wait()
-        reason = "stopped by Phalanx" if self._stop_requested else (failure.describe() if code else "")
-        return code, reason
+        if self._stop_requested and failure.rank is None:
+            return code, "stopped by Phalanx", "stopped"
+        # torchrun named a failed rank: that is this node's story even if a stop came meanwhile
+        return code, failure.describe() if code else "", "run"
 
 
 class AgentDaemon:

@@ -30,6 +30,13 @@ from worker_agent.forkserver import ForkServer
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
 # Output is read in lines of at most this many bytes; a longer one arrives as several.
 MAX_LINE_BYTES = 64 * 1024
+# torchrun logs this the moment it finds a rank dead, before it stops the others and prints its
+# summary: from then on the node is reporting a failure of its own.
+_RANK_FAILED = "failed (exitcode:"
+# How long a "kill" waits for a torchrun that is already reporting a failure of its own: its
+# summary names the rank that failed, which a SIGKILL would lose (the job's failure reason then
+# names a peer that failed only because that rank's connection broke).
+FAILURE_REPORT_WAIT = 2.0
 # torchrun's failure summary names the first failing rank under "Root Cause".
 _SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -168,7 +175,7 @@ class Torchrun(Protocol):
     stdout: Any
     stderr: Any
 
-    def wait(self) -> int: ...
+    def wait(self, timeout: float | None = None) -> int: ...
 
     def poll(self) -> int | None: ...
 
@@ -185,8 +192,12 @@ class NodeProcess:
     ) -> None:
         self._proc = proc
         self.pid = proc.pid
+        self._nproc = nproc
+        self._rank_failed = threading.Event()
         self._pumps = [
-            threading.Thread(target=self._pump, args=(stream, name, node_rank * nproc, on_line), daemon=True)
+            threading.Thread(
+                target=self._pump, args=(stream, name, node_rank * nproc, on_line, self._rank_failed), daemon=True
+            )
             for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
         ]
         for pump in self._pumps:
@@ -228,7 +239,13 @@ class NodeProcess:
         return cls(proc, a.node_rank, a.nproc_per_node, on_line), was_warm
 
     @staticmethod
-    def _pump(stream: object, name: str, first_rank: int, on_line: Callable[[int | None, str, str], None]) -> None:
+    def _pump(
+        stream: object,
+        name: str,
+        first_rank: int,
+        on_line: Callable[[int | None, str, str], None],
+        rank_failed: threading.Event | None = None,
+    ) -> None:
         """Every output line to `on_line`, a line longer than MAX_LINE_BYTES as several (the rest
         keeps its rank): memory stays bounded whatever a job prints, and nothing is dropped."""
         assert hasattr(stream, "readline")
@@ -242,6 +259,8 @@ class NodeProcess:
                 match = _RANK_PREFIX.match(text)
                 rank = first_rank + int(match.group(1)) if match else None
                 text = text[match.end() :] if match else text
+            if rank_failed is not None and rank is None and name == "stderr" and _RANK_FAILED in text:
+                rank_failed.set()
             on_line(rank, name, text)
             continued = not ends
 
@@ -259,8 +278,27 @@ class NodeProcess:
     def poll(self) -> int | None:
         return self._proc.poll()
 
+    def _short_of_ranks(self) -> bool:
+        """Whether torchrun runs fewer live ranks than it should: one died (or, at the very start,
+        not all are started yet), or it said a rank failed."""
+        if self._rank_failed.is_set():
+            return True
+        try:
+            children = psutil.Process(self.pid).children()
+            return sum(1 for c in children if c.status() != psutil.STATUS_ZOMBIE) < self._nproc
+        except psutil.Error:
+            return False
+
     def stop(self, grace: float) -> None:
-        """SIGTERM the whole tree, then SIGKILL whatever is left after `grace` seconds."""
+        """SIGTERM the whole tree, then SIGKILL whatever is left after `grace` seconds.
+
+        With no grace (a kill), a torchrun short of ranks gets up to FAILURE_REPORT_WAIT seconds to
+        exit by itself or to have all its ranks again: the gang's other nodes are killed when one
+        fails, and a node whose own rank failed at the same moment must still say which."""
+        if grace <= 0:
+            deadline = time.monotonic() + FAILURE_REPORT_WAIT
+            while time.monotonic() < deadline and self._proc.poll() is None and self._short_of_ranks():
+                time.sleep(0.01)
         try:
             root = psutil.Process(self.pid)
             tree = [root, *root.children(recursive=True)]

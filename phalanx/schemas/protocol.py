@@ -106,7 +106,8 @@ class NodeExit(StrictModel):
     reason: Annotated[PrintedText, Field(max_length=4000)] = ""  # ends with the rank's last stderr lines
     # "environment": the node never started because its runtime environment could not be resolved
     # or built; restarting would fail the same way, so the job fails without using a restart.
-    cause: Literal["run", "environment"] = "run"
+    # "stopped": it ended because Phalanx asked it to stop (its code says nothing about the job).
+    cause: Literal["run", "environment", "stopped"] = "run"
 
 
 # A lock lists every wheel's hash of every package: a large environment's runs to a few hundred KiB.

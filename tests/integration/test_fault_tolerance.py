@@ -144,6 +144,42 @@ def test_crash_restarts_from_the_newest_checkpoint_and_fences_the_old_attempt(
     assert final["state"] == "FAILED" and "no restarts left" in final["failure_reason"]
 
 
+BROKEN_COLLECTIVE = (
+    "rank 0 exited with code 1; its last stderr lines:\nRuntimeError: [gloo/transport/tcp/pair.cc:537] "
+    "Read error [127.0.0.1]:24273: Connection reset by peer. Check the logs of the remote worker."
+)
+OWN_CRASH = "rank 1 exited with code 7"
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_the_failure_reason_names_the_crashed_node_whichever_reports_first(
+    client: TestClient, settings: Settings, first: int
+) -> None:
+    """The crashing rank's peer fails on a broken connection within milliseconds: which node's
+    report arrives first is a race, the job's reason must not be."""
+    job_id = setup_job(client, settings, agents=2)
+    allocation = start_all(client, job_id)
+    reports = {0: (1, BROKEN_COLLECTIVE), 1: (1, OWN_CRASH)}
+    exit_node(client, allocation, first, *reports[first])
+    exit_node(client, allocation, 1 - first, *reports[1 - first])
+    final = job(client, job_id)
+    assert final["state"] == "FAILED"
+    assert final["failure_reason"].startswith("node 1 on agent a1 exited with code 1: rank 1 exited with code 7")
+
+
+def test_a_stopped_node_never_becomes_the_failure_reason(client: TestClient, settings: Settings) -> None:
+    job_id = setup_job(client, settings, agents=2)
+    allocation = start_all(client, job_id)
+    exit_node(client, allocation, 0, 1, BROKEN_COLLECTIVE)
+    node = next(n for n in allocation["nodes"] if n["node_rank"] == 1)
+    url = f"/api/v1/agents/{node['agent_id']}/allocations/{allocation['id']}/exit"
+    body = {"node_rank": 1, "exit_code": -9, "reason": "stopped by Phalanx", "cause": "stopped"}
+    assert client.post(url, json=body, headers=as_agent(node["agent_id"])).status_code == 204
+    final = job(client, job_id)
+    assert final["state"] == "FAILED" and "Connection reset by peer" in final["failure_reason"]
+    assert final["failure_reason"].startswith("node 0 on agent a0")
+
+
 def test_retried_metric_batch_is_stored_once(client: TestClient, settings: Settings) -> None:
     job_id = setup_job(client, settings)
     allocation = start_all(client, job_id)

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
-from worker_agent.launcher import FailureReport, entry_argv
+import subprocess
+import sys
+import time
+
+from worker_agent.launcher import FAILURE_REPORT_WAIT, FailureReport, NodeProcess, entry_argv
+
+# A stand-in for torchrun: its one rank is started, then (FAILING) dies, and the launcher reports
+# the failure a moment later; or (HEALTHY) the rank keeps running.
+FAILING = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "pass"]).wait()
+print("E1205 api.py:1] failed (exitcode: 7) local_rank: 0 (pid: 1) of binary: x", file=sys.stderr, flush=True)
+time.sleep(0.5)
+sys.exit(1)
+"""
+HEALTHY = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("ready", flush=True)
+rank.wait()
+"""
 
 SUMMARY = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -85,3 +105,35 @@ def test_ranks_do_not_inherit_the_agents_secrets() -> None:
     # the attempt's own credential, never the agent's token
     assert env["PHALANX_TOKEN"] == "phx_r_7_secret" and env["PHALANX_ALLOCATION_ID"] == "7"
     assert env["MY_FLAG"] == "1" and env["OMP_NUM_THREADS"] == "1"
+
+
+def _launcher(source: str, lines: list[str]) -> NodeProcess:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    return NodeProcess(proc, node_rank=0, nproc=1, on_line=lambda _rank, _stream, text: lines.append(text))
+
+
+def _wait_for_line(lines: list[str], fragment: str) -> None:
+    deadline = time.monotonic() + 30
+    while not any(fragment in line for line in lines):
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.01)
+
+
+def test_a_kill_lets_a_torchrun_reporting_its_rank_failure_finish() -> None:
+    lines: list[str] = []
+    node = _launcher(FAILING, lines)
+    _wait_for_line(lines, "failed (exitcode")
+    node.stop(0.0)
+    assert node.wait() == 1  # its own exit, summary printed: not SIGKILLed mid-report
+
+
+def test_a_kill_of_a_healthy_torchrun_is_immediate() -> None:
+    lines: list[str] = []
+    node = _launcher(HEALTHY, lines)
+    _wait_for_line(lines, "ready")
+    started = time.monotonic()
+    node.stop(0.0)
+    assert node.wait() == -9
+    assert time.monotonic() - started < FAILURE_REPORT_WAIT / 2
