@@ -112,9 +112,6 @@ def torchrun_args(a: Assignment, log_dir: Path, warm_ranks: bool = False) -> lis
     """torchrun's arguments (what follows `python -m torch.distributed.run`); `warm_ranks`: a
     `python` entrypoint runs through the rank shim, which has the fork-server fork each rank."""
     assert a.master_port is not None
-    entry = entry_argv(a.entrypoint)
-    if warm_ranks and entry and entry[0] == sys.executable:
-        entry = [sys.executable, "-m", "worker_agent.rank_shim", *entry[1:]]
     return [
         f"--nnodes={a.nnodes}",
         f"--node-rank={a.node_rank}",
@@ -128,8 +125,34 @@ def torchrun_args(a: Assignment, log_dir: Path, warm_ranks: bool = False) -> lis
         "--tee=3",
         f"--log-dir={log_dir}",
         "--no-python",
-        *entry,
+        *_rank_entry(a, warm_ranks),
     ]
+
+
+def plain_command(a: Assignment, warm_ranks: bool = False) -> list[str]:
+    """`launcher: plain`: the entrypoint once per slot with the standard variables
+    (plain_launcher.py), which speaks torchrun's dialect to the agent."""
+    assert a.master_port is not None
+    return [
+        sys.executable,
+        "-m",
+        "worker_agent.plain_launcher",
+        f"--nnodes={a.nnodes}",
+        f"--node-rank={a.node_rank}",
+        f"--nproc-per-node={a.nproc_per_node}",
+        f"--master-addr={a.master_addr}",
+        f"--master-port={a.master_port}",
+        "--",
+        *_rank_entry(a, warm_ranks),
+    ]
+
+
+def _rank_entry(a: Assignment, warm_ranks: bool) -> list[str]:
+    """What each rank runs; a `python` entrypoint through the rank shim when ranks are forked."""
+    entry = entry_argv(a.entrypoint)
+    if warm_ranks and entry and entry[0] == sys.executable:
+        return [sys.executable, "-m", "worker_agent.rank_shim", *entry[1:]]
+    return entry
 
 
 def rank_env(a: Assignment, base: dict[str, str], server_url: str, address: str) -> dict[str, str]:
@@ -218,7 +241,14 @@ class NodeProcess:
         """torchrun for this node, forked by the fork-server when it can; (process, was it warm)."""
         user = popen_args or {}
         proc: Torchrun | None = None
-        if forkserver is not None:
+        command = torchrun_command(a, log_dir)
+        if a.launcher == "plain":
+            # The plain launcher imports nothing heavy: it starts cold as fast as a fork would.
+            rank_socket = forkserver.rank_socket() if forkserver is not None and fork_ranks else None
+            if rank_socket is not None:
+                env = {**env, "PHALANX_FORK_SOCKET": rank_socket}
+            command = plain_command(a, warm_ranks=rank_socket is not None)
+        elif forkserver is not None:
             rank_socket = forkserver.rank_socket() if fork_ranks else None
             if rank_socket is not None:
                 env = {**env, "PHALANX_FORK_SOCKET": rank_socket}
@@ -227,7 +257,7 @@ class NodeProcess:
         was_warm = proc is not None
         if proc is None:
             proc = subprocess.Popen(
-                torchrun_command(a, log_dir),
+                command,
                 env=env,
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,

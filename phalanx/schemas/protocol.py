@@ -73,6 +73,7 @@ class Assignment(WireModel):
     # Seconds between SIGTERM and SIGKILL for "stop"; None: the agent's own `--kill-grace`.
     stop_grace: float | None = None
     entrypoint: str
+    launcher: Literal["torchrun", "plain"] = "torchrun"
     env: dict[str, str]
     hyperparameters: dict[str, Any]
     precision: Precision

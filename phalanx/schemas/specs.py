@@ -21,7 +21,16 @@ from phalanx.schemas.enums import Direction, Precision, SlotType
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Variables the platform itself sets for every rank; a job may not override them.
 RESERVED_ENV_PREFIXES = ("PHALANX_", "MASTER_", "TORCHELASTIC_")
-RESERVED_ENV_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+RESERVED_ENV_KEYS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+}
 
 # Hyperparameters reach the ranks as one environment variable (PHALANX_HPARAMS, JSON), and Linux
 # refuses to start a process with a variable over 128 KiB; env and hyperparameters together stay
@@ -165,6 +174,12 @@ class JobSpec(SpecModel):
         None, description="The team the job belongs to (default: your only team; none if you have none)."
     )
     entrypoint: Annotated[str, Field(min_length=1, max_length=4096)]
+    launcher: Literal["torchrun", "plain"] = Field(
+        "torchrun",
+        description="torchrun (default), or plain: the entrypoint once per slot with RANK, LOCAL_RANK, "
+        "WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT set, for scripts that "
+        "set up their own process group (env://), JAX, or anything following that convention.",
+    )
     workdir: Annotated[str, Field(max_length=MAX_PATH_CHARS)] = "."
     resources: Resources = Field(default_factory=Resources)
     hyperparameters: Annotated[

@@ -11,7 +11,7 @@
                 loss = loss_fn(model(x), y)
             ctx.backward(loss, optimizer)
             ctx.report({"loss": loss}, step=step)
-            if ctx.should_stop():
+            if ctx.should_stop():  # every rank, every step: all turn true at the same step
                 break
         ctx.save_checkpoint({"model": model.state_dict(), "epoch": epoch}, step=step)
     ctx.finish()

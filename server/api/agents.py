@@ -102,6 +102,7 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
                     desired=node.desired if node.desired in ("stop", "kill") else "run",
                     stop_grace=allocation.stop_grace,
                     entrypoint=spec.entrypoint,
+                    launcher=spec.launcher,
                     env=spec.env,
                     hyperparameters=spec.hyperparameters,
                     precision=spec.precision,

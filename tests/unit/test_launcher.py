@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from worker_agent.launcher import FAILURE_REPORT_WAIT, FailureReport, NodeProcess, entry_argv
 
@@ -137,3 +139,46 @@ def test_a_kill_of_a_healthy_torchrun_is_immediate() -> None:
     node.stop(0.0)
     assert node.wait() == -9
     assert time.monotonic() - started < FAILURE_REPORT_WAIT / 2
+
+
+PLAIN_RANK = """
+import os, sys
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+print(" ".join(f"{k}={os.environ[k]}" for k in keys), flush=True)
+if os.environ["RANK"] == os.environ.get("FAIL_RANK"):
+    print("on purpose", file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+
+def _plain(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "rank.py"
+    script.write_text(PLAIN_RANK)
+    args = ["--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--master-addr=10.0.0.1", "--master-port=29500"]
+    return subprocess.run(
+        [sys.executable, "-m", "worker_agent.plain_launcher", *args, "--", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+
+
+def test_the_plain_launcher_sets_the_standard_variables_and_prefixes_each_rank(tmp_path: Path) -> None:
+    done = _plain(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        f"[default{local}]:RANK={2 + local} LOCAL_RANK={local} WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 NODE_RANK=1 "
+        "MASTER_ADDR=10.0.0.1 MASTER_PORT=29500"
+        for local in (0, 1)
+    ]
+
+
+def test_the_plain_launcher_reports_a_failed_rank_as_torchrun_does(tmp_path: Path) -> None:
+    done = _plain(tmp_path, FAIL_RANK="3")
+    assert done.returncode == 1
+    report = FailureReport()
+    for line in done.stderr.splitlines():
+        rank = 2 + int(line[len("[default") :].split("]")[0]) if line.startswith("[default") else None
+        report.add(rank, "stderr", line.split("]:", 1)[1] if rank is not None else line)
+    assert report.describe() == "rank 3 exited with code 3; its last stderr lines:\non purpose"

@@ -506,6 +506,41 @@ def test_two_rank_gloo_run_through_torchrun(
     assert {req["path"] for req in metrics_server.requests} == {"/api/v1/allocations/9/metrics"}
 
 
+AGREED_STOP_SCRIPT = """
+import json, os, signal, sys, time
+import phalanx.train as pt
+
+ctx = pt.init()
+stopped_at = None
+for step in range(200):
+    if ctx.rank == 1 and step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is asked to stop
+    time.sleep(0.01 * (ctx.rank + 1))  # the ranks run at different speeds
+    if ctx.should_stop():
+        stopped_at = step
+        break
+requested = ctx.stop_requested()
+ctx.finish()
+with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as out:
+    json.dump({"stopped_at": stopped_at, "requested": requested}, out)
+print(f"rank {ctx.rank} stopped at {stopped_at}")
+"""
+
+
+def test_a_stop_asked_of_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    script = tmp_path / "agreed_stop.py"
+    script.write_text(AGREED_STOP_SCRIPT)
+    proc = subprocess.run(
+        [*TORCHRUN, str(script), str(tmp_path)], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # the flag raised during step 5 is agreed a few calls later, at the same step on both ranks
+    assert ranks[0]["stopped_at"] == ranks[1]["stopped_at"]
+    assert 5 < ranks[0]["stopped_at"] < 100, ranks
+    assert [r["requested"] for r in ranks] == [False, True]  # rank 0 itself was never signalled
+
+
 # --- the examples --------------------------------------------------------------------------
 
 
