@@ -30,9 +30,9 @@ COPY scheduler ./scheduler
 COPY worker_agent ./worker_agent
 COPY web ./web
 COPY migrations ./migrations
-# The examples extra too: the agents of this image run the example jobs (docker-compose.yml's
-# first submit is examples/digits, which loads scikit-learn's dataset).
-RUN pip install '.[examples]' \
+# The examples and lightning extras too: the agents of this image run the example jobs
+# (docker-compose.yml's first submit is examples/digits, which loads scikit-learn's dataset).
+RUN pip install '.[examples,lightning]' \
     && python -c "import stack.cli, server.app, scheduler.tasks, worker_agent.agent, sklearn.datasets"
 
 # --- runtime --------------------------------------------------------------------------------------

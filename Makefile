@@ -11,8 +11,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch first, from its CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	# dev: tests and linters; examples: what examples/ imports (the tests and `make demo` run them)
-	$(PIP) install --quiet -e '.[dev,examples]'
+	# dev: tests and linters; examples: what examples/ imports (the tests and `make demo` run them);
+	# the framework extras: the integrations' tests and examples
+	$(PIP) install --quiet -e '.[dev,examples,lightning]'
 	touch $@
 
 install: $(VENV)/.installed

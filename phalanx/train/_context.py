@@ -135,6 +135,14 @@ class Context:
             dist.init_process_group(backend=backend, timeout=timeout)
         self._owns_process_group = True
 
+    def take_back_sigterm(self) -> None:
+        """Make SIGTERM this context's again, where a framework installed a handler of its own
+        (Lightning's ends `fit` with an exception, without a checkpoint): a stop then reaches
+        `should_stop()`. Main thread only, as signal handlers are."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm_received = True
         previous = self._previous_sigterm

@@ -1,0 +1,72 @@
+"""Framework integrations on the real stack: 2 nodes, metrics, checkpoints, a SIGKILLed rank that
+resumes from the last checkpoint, and a pause that resumes from the checkpoint written on stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from phalanx.client import Client, load_job_file
+from phalanx.schemas import JobSpec, JobState
+from tests.processes import REPO, Stack, processes_with_env, wait_for
+
+pytestmark = pytest.mark.e2e
+LIGHTNING = REPO / "examples" / "lightning" / "job.yaml"
+
+
+def lightning_job(epochs: int) -> tuple[JobSpec, object]:
+    spec, workdir = load_job_file(LIGHTNING)
+    return spec.model_copy(update={"entrypoint": f"python train.py --epochs {epochs}", "max_restarts": 1}), workdir
+
+
+def first_step_of_attempt(client: Client, job_id: int, allocation_id: int) -> int:
+    points = [p for p in client.metrics(job_id, name="loss") if p.rank == 0]
+    assert points, "no loss was reported"
+    return min(p.step for p in points if p.step > 0)
+
+
+def test_lightning_resumes_a_sigkilled_rank_from_its_checkpoint(stack: Stack) -> None:
+    spec, workdir = lightning_job(epochs=40)
+    with stack.client() as client:
+        job = client.submit(spec, workdir)  # type: ignore[arg-type]
+        wait_for(lambda: client.checkpoints(job.id), 180, "Lightning's first checkpoint, committed")
+        saved = max(c.step for c in client.checkpoints(job.id))
+        assert saved > 0
+        wait_for(lambda: client.metrics(job.id, name="loss"), 120, "self.log values to arrive as job metrics")
+        allocation = client.get_job(job.id).allocations[0].id
+        (rank1,) = wait_for(
+            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1", PHALANX_URL=stack.url),
+            30,
+            "rank 1's process",
+        )
+        os.kill(rank1, signal.SIGKILL)
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.attempts == 2
+        second = final.allocations[1]
+        assert second.resume_step is not None and second.resume_step >= saved  # not from step 0
+        resumed = [line.line for line in client.logs(job.id, rank=0, limit=10_000) if "Restoring states" in line.line]
+        assert resumed, "Lightning restored the trainer's state from the checkpoint"
+        assert "val_accuracy" in final.latest_metrics
+
+
+def test_a_paused_lightning_job_resumes_from_the_checkpoint_written_on_stop(stack: Stack) -> None:
+    spec, workdir = lightning_job(epochs=200)
+    with stack.client() as client:
+        job = client.submit(spec, workdir)  # type: ignore[arg-type]
+        wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 30, 180, "thirty steps")
+        client.pause_job(job.id)
+        wait_for(
+            lambda: all(n.state.value == "EXITED" for n in client.get_job(job.id).allocations[0].nodes),
+            60,
+            "both nodes to stop",
+        )
+        stop_step = max(c.step for c in client.checkpoints(job.id))
+        assert stop_step >= 30, "the stop wrote a checkpoint of the step it stopped at"
+        assert client.get_job(job.id).state is JobState.PAUSED
+        client.resume_job(job.id)
+        wait_for(lambda: len(client.get_job(job.id).allocations) == 2, 120, "the second attempt")
+        assert client.get_job(job.id).allocations[1].resume_step == stop_step
+        client.kill_job(job.id)
