@@ -53,7 +53,10 @@ def main() -> None:
     torch.manual_seed(0)
     train, val = loaders(batch_size=32)
     trainer = L.Trainer(
-        max_epochs=args.epochs, enable_progress_bar=False, enable_model_summary=False, **pxl.trainer_kwargs()
+        max_epochs=args.epochs,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **pxl.trainer_kwargs(),
     )
     trainer.fit(Digits(args.hidden, args.lr), train, val, ckpt_path=pxl.ckpt_path())
 

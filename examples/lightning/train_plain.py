@@ -50,7 +50,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     train, val = loaders(batch_size=32)
-    trainer = L.Trainer(max_epochs=args.epochs, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_epochs=args.epochs,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Digits(args.hidden, args.lr), train, val)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from phalanx.train._checkpoint import Checkpoint, CheckpointWriter, resume_point
+from phalanx.train._checkpoint import STATE_FILE, Checkpoint, CheckpointWriter, resume_point
 from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
@@ -99,7 +99,8 @@ class Context:
         )
         # Bound once: report() then costs a method call, a dict copy and a queue put.
         self._put: Callable[[Any], None] = self._pipeline.queue.put
-        self._last_step: Any = -1
+        # report() without a step counts on from here: after a resume, from the checkpoint's step
+        self._last_step: Any = -1 if self.latest_checkpoint is None else self.latest_checkpoint.step
 
         self._sigterm_received = False
         self._stop_agreed = False
@@ -214,15 +215,24 @@ class Context:
             self.save_checkpoint(checkpoint, step=step, metrics=values, sharded=sharded)
 
     def save_checkpoint(
-        self, state: Any, step: int, metrics: Mapping[str, Any] | None = None, *, sharded: bool = False
+        self, state: Any, step: int | None = None, metrics: Mapping[str, Any] | None = None, *, sharded: bool = False
     ) -> None:
-        """Save a checkpoint of `step`: a state dict (saved with torch.save) or a folder's files.
+        """Save a checkpoint of `step` (default: the last step reported): a state dict (saved with
+        torch.save) or a folder's files. A resumed attempt's `report()` steps count on from it.
 
         Call it on every rank. Rank 0 writes unless `sharded`, where each rank writes its part
         (and all ranks meet at a barrier). The training thread pays for writing the files only;
         the rename into place and the commit to Phalanx happen in the background.
         """
+        if step is None:
+            step = max(int(self._last_step), 0)
         self._checkpoints.save(state, step, metrics, sharded)
+
+    def load_checkpoint(self, name: str = STATE_FILE, **torch_load_kwargs: Any) -> Any:
+        """What the latest committed checkpoint holds (the state dict `save_checkpoint` wrote), on
+        CPU; None when there is none (a first attempt, or outside Phalanx)."""
+        latest = self.latest_checkpoint
+        return None if latest is None else latest.load(name, **torch_load_kwargs)
 
     def _superseded_by_checkpoint(self) -> None:
         self._checkpoint_superseded = True

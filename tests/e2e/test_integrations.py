@@ -70,3 +70,36 @@ def test_a_paused_lightning_job_resumes_from_the_checkpoint_written_on_stop(stac
         wait_for(lambda: len(client.get_job(job.id).allocations) == 2, 120, "the second attempt")
         assert client.get_job(job.id).allocations[1].resume_step == stop_step
         client.kill_job(job.id)
+
+
+RESUMABLE = REPO / "examples" / "resumable" / "job.yaml"
+
+
+def final_checksum(client: Client, job_id: int) -> str:
+    lines = [line.line for line in client.logs(job_id, rank=0, limit=10_000)]
+    sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
+    assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
+    return sums[-1]
+
+
+def test_the_ten_line_port_resumes_a_sigkilled_rank_exactly(stack: Stack) -> None:
+    spec, workdir = load_job_file(RESUMABLE)
+    spec = spec.model_copy(update={"entrypoint": "python train.py --epochs 40"})
+    with stack.client() as client:
+        reference = client.wait(client.submit(spec, workdir).id, timeout=300)
+        assert reference.state is JobState.COMPLETED, reference.failure_reason
+        expected = final_checksum(client, reference.id)
+
+        job = client.submit(spec, workdir)
+        wait_for(lambda: client.checkpoints(job.id), 120, "the first committed checkpoint")
+        allocation = client.get_job(job.id).allocations[0].id
+        (rank1,) = wait_for(
+            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1", PHALANX_URL=stack.url),
+            30,
+            "rank 1's process",
+        )
+        os.kill(rank1, signal.SIGKILL)
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.attempts == 2 and final.allocations[1].resume_step is not None
+        assert final_checksum(client, job.id) == expected  # exactly where the uninterrupted run ended
