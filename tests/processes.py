@@ -171,15 +171,15 @@ def processes_of_allocation(stack: Stack, allocation_id: int) -> list[int]:
 
 
 @contextmanager
-def two_agent_stack(tmp: Path, database_url: str, broker_url: str, **env: str) -> Iterator[Stack]:
-    """Server, scheduler and two one-slot agents (node-a, node-b), registered; stopped on the way
-    out, their logs printed when the body raises."""
+def two_agent_stack(tmp: Path, database_url: str, broker_url: str, cpu_slots: int = 1, **env: str) -> Iterator[Stack]:
+    """Server, scheduler and two agents of `cpu_slots` slots (node-a, node-b), registered; stopped
+    on the way out, their logs printed when the body raises."""
     stack = Stack(tmp, database_url, broker_url, **env)
     try:
         stack.start_server()
         stack.start_scheduler()
-        stack.start_agent("node-a")
-        stack.start_agent("node-b")
+        stack.start_agent("node-a", cpu_slots=cpu_slots)
+        stack.start_agent("node-b", cpu_slots=cpu_slots)
         stack.wait_agents(2)
         yield stack
     except BaseException:
@@ -234,3 +234,21 @@ def survivors(procs: list[psutil.Process], timeout: float) -> list[str]:
         except psutil.NoSuchProcess:
             continue
     return found
+
+
+def sigkill_rank(stack: Stack, allocation_id: int, rank: int) -> None:
+    """SIGKILL one rank of a running allocation, as a crash would."""
+    (pid,) = wait_for(
+        lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation_id), RANK=str(rank), PHALANX_URL=stack.url),
+        30,
+        f"rank {rank}'s process",
+    )
+    os.kill(pid, signal.SIGKILL)
+
+
+def final_checksum(client: Client, job_id: int) -> str:
+    """The `final-checksum:` rank 0 printed last (the examples print their parameters' sha256)."""
+    lines = [line.line for line in client.logs(job_id, rank=0, limit=10_000)]
+    sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
+    assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
+    return sums[-1]

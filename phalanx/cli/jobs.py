@@ -115,6 +115,8 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
         console.print(f"[red]failed:[/] {job.failure_reason}")
     if job.spec.runtime_env is not None:
         console.print(f"runtime env: {describe_runtime_env(job)}", markup=False, highlight=False)
+    if job.spec.launcher != "torchrun":
+        console.print(f"launcher: {job.spec.launcher} (the entrypoint once per slot, no torchrun)")
     if job.latest_metrics:
         console.print(f"step {job.latest_step}: {fmt_metrics(job.latest_metrics)}")
     for allocation in job.allocations:

@@ -17,9 +17,11 @@ from phalanx.schemas import JobSpec, JobState, MetricPoint
 from tests.processes import (
     REPO,
     Stack,
+    final_checksum,
     free_port,
     processes_of_allocation,
     processes_with_env,
+    sigkill_rank,
     two_agent_stack,
     wait_for,
 )
@@ -27,13 +29,6 @@ from tests.processes import (
 pytestmark = pytest.mark.e2e
 DIGITS = REPO / "examples" / "digits" / "job.yaml"
 EPOCHS = 60  # long enough (several seconds) to kill a rank between two checkpoints
-
-
-def checksum(client: Client, job_id: int) -> str:
-    lines = [line.line for line in client.logs(job_id, rank=0, limit=10_000)]
-    sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
-    assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
-    return sums[-1]
 
 
 def assert_each_step_once(points: list[MetricPoint], steps: int) -> None:
@@ -52,17 +47,11 @@ def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
         reference = client.submit(spec, workdir)
         done = client.wait(reference.id, timeout=300)
         assert done.state is JobState.COMPLETED and done.attempts == 1
-        expected = checksum(client, reference.id)
+        expected = final_checksum(client, reference.id)
 
         job = client.submit(spec, workdir)
         wait_for(lambda: client.checkpoints(job.id), 120, "the first committed checkpoint")
-        allocation = client.get_job(job.id).allocations[0].id
-        (rank1,) = wait_for(
-            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1", PHALANX_URL=stack.url),
-            30,
-            "rank 1's process",
-        )
-        os.kill(rank1, signal.SIGKILL)
+        sigkill_rank(stack, client.get_job(job.id).allocations[0].id, rank=1)
 
         final = client.wait(job.id, timeout=300)
         assert final.state is JobState.COMPLETED, final.failure_reason
@@ -70,7 +59,7 @@ def test_sigkilled_rank_resumes_to_the_same_parameters(stack: Stack) -> None:
         first, second = final.allocations
         assert first.end_reason and "node" in first.end_reason and second.resume_step is not None
         assert any(e.to_state is JobState.RESTARTING for e in final.events)
-        assert checksum(client, job.id) == expected
+        assert final_checksum(client, job.id) == expected
 
         # every step is shown once: the re-done steps of the failed attempt are superseded
         steps = [p.step for p in client.metrics(job.id, name="loss") if p.rank == 0]

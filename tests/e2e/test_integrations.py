@@ -3,14 +3,11 @@ resumes from the last checkpoint, and a pause that resumes from the checkpoint w
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from phalanx.client import Client, load_job_file
 from phalanx.schemas import JobSpec, JobState
-from tests.processes import REPO, Stack, processes_with_env, wait_for
+from tests.processes import REPO, Stack, final_checksum, sigkill_rank, wait_for
 
 pytestmark = pytest.mark.e2e
 LIGHTNING = REPO / "examples" / "lightning" / "job.yaml"
@@ -35,13 +32,7 @@ def test_lightning_resumes_a_sigkilled_rank_from_its_checkpoint(stack: Stack) ->
         saved = max(c.step for c in client.checkpoints(job.id))
         assert saved > 0
         wait_for(lambda: client.metrics(job.id, name="loss"), 120, "self.log values to arrive as job metrics")
-        allocation = client.get_job(job.id).allocations[0].id
-        (rank1,) = wait_for(
-            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1", PHALANX_URL=stack.url),
-            30,
-            "rank 1's process",
-        )
-        os.kill(rank1, signal.SIGKILL)
+        sigkill_rank(stack, client.get_job(job.id).allocations[0].id, rank=1)
         final = client.wait(job.id, timeout=300)
         assert final.state is JobState.COMPLETED, final.failure_reason
         assert final.attempts == 2
@@ -75,13 +66,6 @@ def test_a_paused_lightning_job_resumes_from_the_checkpoint_written_on_stop(stac
 RESUMABLE = REPO / "examples" / "resumable" / "job.yaml"
 
 
-def final_checksum(client: Client, job_id: int) -> str:
-    lines = [line.line for line in client.logs(job_id, rank=0, limit=10_000)]
-    sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
-    assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
-    return sums[-1]
-
-
 def test_the_ten_line_port_resumes_a_sigkilled_rank_exactly(stack: Stack) -> None:
     spec, workdir = load_job_file(RESUMABLE)
     spec = spec.model_copy(update={"entrypoint": "python train.py --epochs 40"})
@@ -92,13 +76,7 @@ def test_the_ten_line_port_resumes_a_sigkilled_rank_exactly(stack: Stack) -> Non
 
         job = client.submit(spec, workdir)
         wait_for(lambda: client.checkpoints(job.id), 120, "the first committed checkpoint")
-        allocation = client.get_job(job.id).allocations[0].id
-        (rank1,) = wait_for(
-            lambda: processes_with_env("PHALANX_ALLOCATION_ID", str(allocation), RANK="1", PHALANX_URL=stack.url),
-            30,
-            "rank 1's process",
-        )
-        os.kill(rank1, signal.SIGKILL)
+        sigkill_rank(stack, client.get_job(job.id).allocations[0].id, rank=1)
         final = client.wait(job.id, timeout=300)
         assert final.state is JobState.COMPLETED, final.failure_reason
         assert final.attempts == 2 and final.allocations[1].resume_step is not None

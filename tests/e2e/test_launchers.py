@@ -11,7 +11,7 @@ import pytest
 
 from phalanx.client import Client
 from phalanx.schemas import JobSpec, JobState
-from tests.processes import Stack, processes_of_allocation, wait_for
+from tests.processes import Stack, processes_of_allocation, two_agent_stack, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -40,19 +40,8 @@ dist.destroy_process_group()
 
 @pytest.fixture
 def wide_stack(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tmp_path, clean_db, clean_redis)
-    try:
-        stack.start_server()
-        stack.start_scheduler()
-        stack.start_agent("node-a", cpu_slots=2)
-        stack.start_agent("node-b", cpu_slots=2)
-        stack.wait_agents(2)
-        yield stack
-    except BaseException:
-        print(stack.dump())
-        raise
-    finally:
-        stack.close()
+    with two_agent_stack(tmp_path, clean_db, clean_redis, cpu_slots=2) as running:
+        yield running
 
 
 def raw_job(tmp_path: Path, **env: str) -> tuple[JobSpec, Path]:
