@@ -13,7 +13,7 @@ import pytest
 
 from phalanx.client import Client
 from phalanx.schemas import JobSpec, JobState
-from tests.processes import Stack, wait_for
+from tests.processes import Stack, two_agent_stack, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -37,19 +37,9 @@ def gpu_stack(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack
     stub.mkdir()
     (stub / "nvidia-smi").write_text(NVIDIA_SMI)
     (stub / "nvidia-smi").chmod(0o755)
-    stack = Stack(tmp_path, clean_db, clean_redis, PATH=f"{stub}{os.pathsep}{os.environ['PATH']}")
-    try:
-        stack.start_server()
-        stack.start_scheduler()
-        stack.start_agent("gpu-a")
-        stack.start_agent("gpu-b")
-        stack.wait_agents(2)
-        yield stack
-    except BaseException:
-        print(stack.dump())
-        raise
-    finally:
-        stack.close()
+    path = f"{stub}{os.pathsep}{os.environ['PATH']}"
+    with two_agent_stack(tmp_path, clean_db, clean_redis, PATH=path) as running:
+        yield running
 
 
 def gpu_job(tmp_path: Path, linger_s: float = 0) -> tuple[JobSpec, Path]:
@@ -73,7 +63,7 @@ def devices(client: Client, job_id: int) -> dict[int, str]:
 
 def test_gpu_jobs_get_their_own_gpus_on_each_node(gpu_stack: Stack, tmp_path: Path) -> None:
     with gpu_stack.client() as client:
-        assert sorted((a.name, a.gpu_slots) for a in client.agents()) == [("gpu-a", 4), ("gpu-b", 4)]
+        assert sorted((a.name, a.gpu_slots) for a in client.agents()) == [("node-a", 4), ("node-b", 4)]
         spec, workdir = gpu_job(tmp_path, linger_s=600)
         first = client.submit(spec, workdir)
         wait_for(lambda: len(devices(client, first.id)) == 4, 120, "the first job's four ranks")
