@@ -14,8 +14,8 @@ import pytest
 from phalanx.client import Client, load_job_file
 from phalanx.schemas import JobDetail, JobSpec, JobState
 from tests.conftest import call_failed
-from tests.e2e.test_fault_tolerance import DIGITS, checksum
-from tests.processes import REPO, Stack, two_agent_stack, wait_for
+from tests.e2e.test_fault_tolerance import DIGITS
+from tests.processes import REPO, Stack, final_checksum, two_agent_stack, wait_for
 
 pytestmark = pytest.mark.e2e
 SCRIPTED = REPO / "examples" / "scripted" / "job.yaml"
@@ -105,7 +105,7 @@ def test_a_team_below_its_guarantee_preempts_a_borrower_that_resumes_to_the_same
         spec = spec.model_copy(update={"entrypoint": "python train.py --epochs 60", "max_restarts": 0})
         reference = borrower.submit(spec, workdir)
         assert borrower.wait(reference.id, timeout=300).state is JobState.COMPLETED
-        expected = checksum(borrower, reference.id)
+        expected = final_checksum(borrower, reference.id)
 
         borrowing = borrower.submit(spec, workdir)  # both slots, borrowed from the owner team
         wait_for(lambda: borrower.checkpoints(borrowing.id), 120, "the borrower's first checkpoint")
@@ -122,4 +122,4 @@ def test_a_team_below_its_guarantee_preempts_a_borrower_that_resumes_to_the_same
     assert any("costing no restart" in e.reason for e in final.events)
     assert any(f"preempting job {borrowing.id}" in e.reason for e in owed_events)
     with stack.client() as admin:
-        assert checksum(admin, borrowing.id) == expected
+        assert final_checksum(admin, borrowing.id) == expected
