@@ -13,8 +13,8 @@ rank of each output line, the failure reason, stops and kills) is the same for b
 - every line a rank prints is prefixed `[default<local rank>]:` (torchrun's `--tee=3`);
 - when a rank fails, it logs `failed (exitcode: ...)`, stops the other ranks (SIGTERM, then
   SIGKILL after STOP_GRACE_S), prints a summary naming the rank under "Root Cause", exits 1;
-- on SIGTERM (a stop) it waits for its ranks, which got the signal from the agent too, and exits
-  143 with no summary.
+- on SIGTERM (a stop) it waits for its ranks, which got the signal from the agent too (and the
+  agent's SIGKILL after the job's grace), and exits 143 with no summary.
 
 It imports nothing heavy: it starts in ~50 ms.
 """
@@ -132,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     if failed is not None:
         local_rank, code, pid = failed
         print(f"plain_launcher: failed (exitcode: {code}) local_rank: {local_rank} (pid: {pid})", file=sys.stderr)
-    _stop(procs)
+    if stopping.is_set():
+        # The agent signalled the ranks too and SIGKILLs what is left after the job's own grace:
+        # a rank writing its last checkpoint gets all of it.
+        for proc in procs:
+            proc.wait()
+    else:
+        _stop(procs)
     for relay in relays:
         relay.join(timeout=5)
     if failed is not None and not stopping.is_set():
