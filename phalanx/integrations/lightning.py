@@ -32,7 +32,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities import rank_zero_only
 
 import phalanx.train as pt
 from phalanx.train._checkpoint import STATE_FILE
@@ -61,7 +60,6 @@ class PhalanxLogger(Logger):
         if values:
             self._ctx.report(values, step=step)
 
-    @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         """The job's hyperparameters are in its job file already."""
 

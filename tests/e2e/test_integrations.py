@@ -3,9 +3,11 @@ resumes from the last checkpoint, and a pause that resumes from the checkpoint w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from phalanx.client import Client, load_job_file
+from phalanx.client import load_job_file
 from phalanx.schemas import JobSpec, JobState
 from tests.processes import REPO, Stack, final_checksum, sigkill_rank, wait_for
 
@@ -13,21 +15,15 @@ pytestmark = pytest.mark.e2e
 LIGHTNING = REPO / "examples" / "lightning" / "job.yaml"
 
 
-def lightning_job(epochs: int) -> tuple[JobSpec, object]:
+def lightning_job(epochs: int) -> tuple[JobSpec, Path]:
     spec, workdir = load_job_file(LIGHTNING)
     return spec.model_copy(update={"entrypoint": f"python train.py --epochs {epochs}", "max_restarts": 1}), workdir
-
-
-def first_step_of_attempt(client: Client, job_id: int, allocation_id: int) -> int:
-    points = [p for p in client.metrics(job_id, name="loss") if p.rank == 0]
-    assert points, "no loss was reported"
-    return min(p.step for p in points if p.step > 0)
 
 
 def test_lightning_resumes_a_sigkilled_rank_from_its_checkpoint(stack: Stack) -> None:
     spec, workdir = lightning_job(epochs=40)
     with stack.client() as client:
-        job = client.submit(spec, workdir)  # type: ignore[arg-type]
+        job = client.submit(spec, workdir)
         wait_for(lambda: client.checkpoints(job.id), 180, "Lightning's first checkpoint, committed")
         saved = max(c.step for c in client.checkpoints(job.id))
         assert saved > 0
@@ -46,7 +42,7 @@ def test_lightning_resumes_a_sigkilled_rank_from_its_checkpoint(stack: Stack) ->
 def test_a_paused_lightning_job_resumes_from_the_checkpoint_written_on_stop(stack: Stack) -> None:
     spec, workdir = lightning_job(epochs=200)
     with stack.client() as client:
-        job = client.submit(spec, workdir)  # type: ignore[arg-type]
+        job = client.submit(spec, workdir)
         wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 30, 180, "thirty steps")
         client.pause_job(job.id)
         wait_for(
