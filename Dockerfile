@@ -32,7 +32,7 @@ COPY web ./web
 COPY migrations ./migrations
 # The examples and lightning extras too: the agents of this image run the example jobs
 # (docker-compose.yml's first submit is examples/digits, which loads scikit-learn's dataset).
-RUN pip install '.[examples,lightning]' \
+RUN pip install '.[examples,lightning,transformers]' \
     && python -c "import stack.cli, server.app, scheduler.tasks, worker_agent.agent, sklearn.datasets"
 
 # --- runtime --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,9 +94,18 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self.committed: list[Checkpoint] = []
 
-    def save(self, state: Any, step: int, metrics: Mapping[str, Any] | None, sharded: bool) -> None:
+    def save(
+        self,
+        state: Any,
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        sharded: bool,
+        files: Collection[str] | None = None,
+    ) -> None:
         name = f"step-{step:012d}-a{self._attempt}"
         pending = _Pending(step, f"{self._root}/{name}.tmp", f"{self._root}/{name}", _floats(metrics or {}))
+        if files is not None:
+            sharded = True  # each rank's own files, into the one folder
         writes = sharded or self._rank == 0
         if writes:
             fs, tmp = fsspec.core.url_to_fs(pending.tmp)
@@ -105,8 +114,13 @@ class CheckpointWriter:
                 source = Path(state)
                 if not source.is_dir():
                     raise ValueError(f"checkpoint={state!r} is neither a state dict nor a folder")
-                target = f"{tmp}/rank-{self._rank}" if sharded else tmp
-                fs.put(str(source), target, recursive=True)
+                if files is not None:
+                    _put_files(fs, source, files, tmp)
+                else:
+                    target = f"{tmp}/rank-{self._rank}" if sharded else tmp
+                    fs.put(str(source), target, recursive=True)
+            elif files is not None:
+                raise ValueError("files= selects files of a folder; this checkpoint is a state dict")
             else:
                 file_name = f"rank-{self._rank}.pt" if sharded else STATE_FILE
                 if _is_local(fs):  # torch's own file writer: as fast as a plain torch.save
@@ -170,6 +184,19 @@ class CheckpointWriter:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
+
+
+def _put_files(fs: Any, source: Path, files: Collection[str], target: str) -> None:
+    """Copy the named files (paths relative to `source`, which they may not leave) to `target`."""
+    root = source.resolve()
+    for name in files:
+        path = (root / name).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            raise ValueError(f"checkpoint file {name!r} is not a file inside {source}")
+        relative = path.relative_to(root).as_posix()
+        if "/" in relative:
+            fs.makedirs(f"{target}/{relative.rsplit('/', 1)[0]}", exist_ok=True)
+        fs.put_file(str(path), f"{target}/{relative}")
 
 
 def _floats(values: Mapping[str, Any]) -> dict[str, float | str]:

@@ -9,7 +9,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -215,18 +215,27 @@ class Context:
             self.save_checkpoint(checkpoint, step=step, metrics=values, sharded=sharded)
 
     def save_checkpoint(
-        self, state: Any, step: int | None = None, metrics: Mapping[str, Any] | None = None, *, sharded: bool = False
+        self,
+        state: Any,
+        step: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        sharded: bool = False,
+        files: Collection[str] | None = None,
     ) -> None:
         """Save a checkpoint of `step` (default: the last step reported): a state dict (saved with
         torch.save) or a folder's files. A resumed attempt's `report()` steps count on from it.
 
         Call it on every rank. Rank 0 writes unless `sharded`, where each rank writes its part
-        (and all ranks meet at a barrier). The training thread pays for writing the files only;
-        the rename into place and the commit to Phalanx happen in the background.
+        (a state dict as `rank-N.pt`, a folder as `rank-N/`), and all ranks meet at a barrier.
+        With a folder and `files` (paths relative to it), each rank writes just those files and
+        they all land in the checkpoint's one folder: for frameworks whose ranks write into a
+        shared folder (no two ranks may name the same file). The training thread pays for writing
+        the files only; the rename into place and the commit to Phalanx happen in the background.
         """
         if step is None:
             step = max(int(self._last_step), 0)
-        self._checkpoints.save(state, step, metrics, sharded)
+        self._checkpoints.save(state, step, metrics, sharded, files)
 
     def load_checkpoint(self, name: str = STATE_FILE, **torch_load_kwargs: Any) -> Any:
         """What the latest committed checkpoint holds (the state dict `save_checkpoint` wrote), on
