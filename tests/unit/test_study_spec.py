@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,14 @@ def test_the_example_study_validates() -> None:
     assert set(spec.search_space) == {"lr", "hidden", "optimizer"}
     assert spec.sampler.type == "tpe" and spec.pruner.type == "median" and spec.parallelism == 2
     assert (workdir / "train.py").exists()
+
+
+def test_the_transformers_study_searches_trainingarguments_fields() -> None:
+    from transformers import TrainingArguments  # the fields pxt.training_args() takes from a trial
+
+    spec, _ = load_study_file(EXAMPLE.parents[1] / "hf_trainer" / "study.yaml")
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    assert set(spec.search_space) <= fields
 
 
 def test_defaults_and_shorthands() -> None:
