@@ -135,6 +135,26 @@ class CheckpointWriter:
             self._idle.clear()
             self._queue.put(pending)
 
+    def save_sharded(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: Mapping[str, Any],
+        step: int,
+        metrics: Mapping[str, Any] | None,
+    ) -> None:
+        """Every rank writes its shards through DCP, whose own collectives let rank 0 write the
+        metadata last; rank 0 then renames and commits in the background as for any checkpoint."""
+        from phalanx.train._sharding import save_sharded  # FSDP/DCP only for scripts that use them
+
+        name = f"step-{step:012d}-a{self._attempt}"
+        pending = _Pending(step, f"{self._root}/{name}.tmp", f"{self._root}/{name}", _floats(metrics or {}))
+        save_sharded(pending.tmp, model, optimizer, extra)
+        if self._rank == 0:
+            self._start()
+            self._idle.clear()
+            self._queue.put(pending)
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="phalanx-checkpoints", daemon=True)

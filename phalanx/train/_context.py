@@ -152,14 +152,45 @@ class Context:
 
     # --- model, data, precision ---------------------------------------------------------
 
-    def prepare_model(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
-        """Move the model to this rank's device; wrap it in DistributedDataParallel if there are peers."""
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        strategy: str = "ddp",
+        *,
+        fsdp_units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
+        **ddp_kwargs: Any,
+    ) -> torch.nn.Module:
+        """Move the model to this rank's device and spread it over the ranks.
+
+        strategy "ddp": DistributedDataParallel when there are peers (`ddp_kwargs` go to it).
+        strategy "fsdp": FSDP2 (`fully_shard`) over `fsdp_units(model)` (default: each member of
+        every nn.ModuleList, a transformer's blocks), then the whole model; parameters, gradients
+        and optimizer state are sharded across the ranks, and the job's bf16/fp16 precision is
+        FSDP's mixed precision. Save it with `save_sharded_checkpoint`.
+        """
+        if strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"strategy={strategy!r}: use 'ddp' or 'fsdp'")
         model = model.to(self.device)
+        if strategy == "fsdp":
+            if ddp_kwargs:
+                raise ValueError(f"{', '.join(ddp_kwargs)}: DDP arguments, and the strategy is 'fsdp'")
+            if not dist.is_initialized():
+                # FSDP needs a process group, even of one rank (plain `python train.py`)
+                self._init_single_process_group()
+            from phalanx.train._sharding import shard_model
+
+            return shard_model(model, self.precision, fsdp_units)
         if self.world_size == 1:
             return model
         if self.device.type == "cuda":
             return DistributedDataParallel(model, device_ids=[self.device.index], **ddp_kwargs)
         return DistributedDataParallel(model, **ddp_kwargs)
+
+    def _init_single_process_group(self) -> None:
+        store = dist.HashStore()  # type: ignore[attr-defined]  # torch leaves it out of __all__
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+        self._owns_process_group = True
 
     def prepare_data_loader(self, loader: DataLoader[Any], *, move_to_device: bool = True) -> PreparedDataLoader:
         """Give each rank its own shard (DistributedSampler, shuffled like `loader`), epoch-aware.
@@ -242,6 +273,45 @@ class Context:
         CPU; None when there is none (a first attempt, or outside Phalanx)."""
         latest = self.latest_checkpoint
         return None if latest is None else latest.load(name, **torch_load_kwargs)
+
+    def save_sharded_checkpoint(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save the model, the optimizer and `extra` (anything torch.save can pickle) as a sharded
+        checkpoint of `step` (default: the last step reported) through torch.distributed.checkpoint:
+        every rank writes its own shards, and the checkpoint is committed once. For FSDP models
+        (no rank ever holds the whole state); DDP and single-process models work the same way.
+
+        Call it on every rank. The checkpoint root must be shared by the nodes (a shared
+        filesystem or an object store), as for `sharded=True`."""
+        if step is None:
+            step = max(int(self._last_step), 0)
+        self._checkpoints.save_sharded(model, optimizer, extra or {}, step, metrics)
+
+    def load_sharded_checkpoint(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any] | None:
+        """Load the latest checkpoint that `save_sharded_checkpoint` wrote into `model` (and
+        `optimizer`) in place, resharded for this world size; return its `extra`, or None when
+        there is no checkpoint yet. Call it on every rank, after `prepare_model`."""
+        latest = self.latest_checkpoint
+        if latest is None:
+            return None
+        from phalanx.train._sharding import load_sharded
+
+        return load_sharded(latest.path, model, optimizer)
+
+    def full_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU on rank 0 (gathered from the shards under FSDP; the
+        other ranks take part and get an empty dict): to export the trained model."""
+        from phalanx.train._sharding import full_model_state
+
+        return full_model_state(model)
 
     def _superseded_by_checkpoint(self) -> None:
         self._checkpoint_superseded = True
