@@ -1,5 +1,5 @@
-"""A small character-level GPT on corpus.txt (the GNU GPL, version 3) with DDP, the job's autocast
-(bf16 in job.yaml), gradient accumulation and checkpoints that resume exactly."""
+"""A small character-level GPT on corpus.txt (the GNU GPL, version 3) with DDP or FSDP2, the job's
+autocast (bf16 in job.yaml), gradient accumulation and sharded checkpoints that resume exactly."""
 
 import argparse
 import contextlib
@@ -22,10 +22,10 @@ PROMPT = "The GNU General Public License"
 WARMUP_STEPS = 10
 
 
-def checksum(model: nn.Module) -> str:
+def checksum(state: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
-    for param in model.parameters():
-        digest.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    for key in sorted(state):
+        digest.update(state[key].to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -63,6 +63,7 @@ def main() -> None:
     grad_accum = int(hp.get("grad_accum", 4))
     steps = args.steps if args.steps is not None else int(hp.get("steps", 100))
     checkpoint_every = int(hp.get("checkpoint_every", 25))
+    strategy = str(hp.get("strategy", "ddp"))  # or "fsdp": parameters, gradients and optimizer state sharded
 
     text = CORPUS.read_text(encoding="utf-8")
     chars = sorted(set(text))
@@ -76,23 +77,19 @@ def main() -> None:
         n_embd=int(hp.get("n_embd", 64)),
     )
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
-    model = ctx.prepare_model(GPT(config))
+    model = ctx.prepare_model(GPT(config), strategy=strategy)
     ddp = isinstance(model, DistributedDataParallel)
     module = model.module if ddp else model
-    # DDP all-reduces the gradients in every backward; with accumulation only the last one needs to.
-    no_sync = model.no_sync if ddp else contextlib.nullcontext
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     if ctx.rank == 0:
         params = sum(p.numel() for p in module.parameters())
         print(f"{ctx.world_size} rank(s), {ctx.precision}, {params} parameters, {asdict(config)}", flush=True)
 
     start = 1
-    state = ctx.load_checkpoint()
-    if state is not None:
-        module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"] + 1
-        print(f"rank {ctx.rank} resumes after step {state['step']}", flush=True)
+    extra = ctx.load_sharded_checkpoint(model, optimizer)  # resharded for this world size, DDP or FSDP
+    if extra is not None:
+        start = extra["step"] + 1
+        print(f"rank {ctx.rank} resumes after step {extra['step']}", flush=True)
 
     last, timed_from, timer = start - 1, None, 0.0
     for step in range(start, steps + 1):
@@ -103,7 +100,7 @@ def main() -> None:
         for micro in range(grad_accum):
             seed = (step * ctx.world_size + ctx.rank) * grad_accum + micro  # one seed per micro-batch of the run
             x, y = (t.to(ctx.device) for t in sample(data, seed, batch_size, block_size=config.block_size))
-            with contextlib.nullcontext() if micro == grad_accum - 1 else no_sync():
+            with gradient_sync(model, micro == grad_accum - 1):
                 with ctx.autocast():
                     logits = model(x)
                 # The softmax over the vocabulary in float32: bf16's 8-bit mantissa would blur the loss.
@@ -122,21 +119,32 @@ def main() -> None:
             print(f"step {step} loss {mean_loss.item():.4f} lr {step_lr:.2e}", flush=True)
         stop = ctx.should_stop()
         if stop or step % checkpoint_every == 0 or step == steps:
-            state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            ctx.save_checkpoint(state, step=step)
+            ctx.save_sharded_checkpoint(model, optimizer, extra={"step": step}, step=step)
         if stop:  # checkpointed above: the next attempt carries on from here
             print(f"rank {ctx.rank} stops after step {step}: asked to stop", flush=True)
             break
 
+    rate = (last - timed_from) / (time.perf_counter() - timer) if timed_from is not None and last > timed_from else None
+    full_state = ctx.full_model_state(model)  # gathered on rank 0; every rank takes part
+    prompt = torch.tensor([[index[char] for char in PROMPT]], device=ctx.device)
+    module.eval()
+    # every rank generates: under FSDP each forward gathers the parameters from all of them
+    generated = "".join(chars[i] for i in module.generate(prompt, max_new_tokens=100)[0].tolist())
     if ctx.rank == 0:
-        if timed_from is not None and last > timed_from:
-            print(f"phalanx-steps-per-second {(last - timed_from) / (time.perf_counter() - timer):.2f}", flush=True)
-        print(f"final-checksum: {checksum(module)}")
-        prompt = torch.tensor([[index[char] for char in PROMPT]], device=ctx.device)
-        module.eval()
-        generated = "".join(chars[i] for i in module.generate(prompt, max_new_tokens=100)[0].tolist())
+        if rate is not None:
+            print(f"phalanx-steps-per-second {rate:.2f}", flush=True)
+        print(f"final-checksum: {checksum(full_state)}")
         print(f"sample: {generated!r}", flush=True)
     ctx.finish()
+
+
+def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
+    """With accumulation only the last micro-batch's backward needs to reduce the gradients."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""examples/gpt on the real stack: 2 nodes, bf16 autocast, gradient accumulation; a SIGKILLed rank
-resumes from the last checkpoint and ends with the parameters of an uninterrupted run."""
+"""examples/gpt on the real stack: 2 nodes, bf16, gradient accumulation, DDP or FSDP2 with sharded
+checkpoints; a SIGKILLed rank, or a pause, resumes from the last checkpoint and ends with the
+parameters of an uninterrupted run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from phalanx.client import load_job_file
-from phalanx.schemas import JobState
+from phalanx.client import Client, load_job_file
+from phalanx.schemas import JobSpec, JobState
 from tests.processes import REPO, Stack, final_checksum, sigkill_rank, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -14,22 +17,30 @@ GPT = REPO / "examples" / "gpt" / "job.yaml"
 STEPS = 20
 
 
-def test_the_gpt_example_resumes_a_sigkilled_rank_exactly(stack: Stack) -> None:
+def gpt_job(strategy: str, steps: int = STEPS) -> tuple[JobSpec, Path]:
     spec, workdir = load_job_file(GPT)
     # A short run: small micro-batches (bf16 matmuls are slow on CPUs without bf16 instructions),
-    # still two per step, so no_sync and the all-reduce of the accumulated gradients both run.
-    hparams = {**spec.hyperparameters, "batch_size": 4, "grad_accum": 2, "checkpoint_every": 5}
-    spec = spec.model_copy(
-        update={"entrypoint": f"python train.py --steps {STEPS}", "hyperparameters": hparams, "total_steps": STEPS}
-    )
+    # still two per step, so the skipped and the final gradient reductions both run.
+    hparams = {**spec.hyperparameters, "batch_size": 4, "grad_accum": 2, "checkpoint_every": 5, "strategy": strategy}
+    update = {"entrypoint": f"python train.py --steps {steps}", "hyperparameters": hparams, "total_steps": steps}
+    return spec.model_copy(update=update), workdir
+
+
+def reference_checksum(client: Client, spec: JobSpec, workdir: Path, steps: int = STEPS) -> str:
+    reference = client.wait(client.submit(spec, workdir).id, timeout=180)
+    assert reference.state is JobState.COMPLETED, reference.failure_reason
+    losses = {p.step: p.value for p in client.metrics(reference.id, name="loss") if p.rank == 0}
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert losses[steps] < losses[1]
+    assert "lr" in reference.latest_metrics
+    return final_checksum(client, reference.id)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_gpt_example_resumes_a_sigkilled_rank_exactly(stack: Stack, strategy: str) -> None:
+    spec, workdir = gpt_job(strategy)
     with stack.client() as client:
-        reference = client.wait(client.submit(spec, workdir).id, timeout=180)
-        assert reference.state is JobState.COMPLETED, reference.failure_reason
-        expected = final_checksum(client, reference.id)
-        losses = {p.step: p.value for p in client.metrics(reference.id, name="loss") if p.rank == 0}
-        assert sorted(losses) == list(range(1, STEPS + 1))
-        assert losses[STEPS] < losses[1]
-        assert "lr" in reference.latest_metrics
+        expected = reference_checksum(client, spec, workdir)
 
         job = client.submit(spec, workdir)
         wait_for(lambda: client.checkpoints(job.id), 120, "the first committed checkpoint")
@@ -42,3 +53,28 @@ def test_the_gpt_example_resumes_a_sigkilled_rank_exactly(stack: Stack) -> None:
         assert final_checksum(client, job.id) == expected  # exactly where the uninterrupted run ended
         steps = [p.step for p in client.metrics(job.id, name="loss") if p.rank == 0]
         assert sorted(steps) == list(range(1, STEPS + 1))  # the re-done steps once each
+
+
+def test_a_paused_fsdp_job_resumes_from_its_stop_checkpoint_exactly(stack: Stack) -> None:
+    steps = 40
+    spec, workdir = gpt_job("fsdp", steps)
+    with stack.client() as client:
+        expected = reference_checksum(client, spec, workdir, steps)
+        job = client.submit(spec, workdir)
+        wait_for(lambda: (client.get_job(job.id).latest_step or 0) >= 8, 120, "eight steps")
+        client.pause_job(job.id)
+        wait_for(
+            lambda: all(n.state.value == "EXITED" for n in client.get_job(job.id).allocations[0].nodes),
+            60,
+            "both nodes to stop (the stop checkpoint is committed before a rank exits)",
+        )
+        assert client.get_job(job.id).state is JobState.PAUSED
+        stop_step = max(c.step for c in client.checkpoints(job.id))
+        first = client.get_job(job.id).allocations[0].id
+        done = [p.step for p in client.metrics(job.id, name="loss", all_attempts=True) if p.allocation_id == first]
+        assert stop_step == max(done) < steps, "the stop checkpointed the step it stopped at"
+        client.resume_job(job.id)
+        final = client.wait(job.id, timeout=180)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        assert final.allocations[1].resume_step == stop_step
+        assert final_checksum(client, job.id) == expected  # the sharded stop checkpoint resumed exactly

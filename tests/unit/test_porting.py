@@ -28,7 +28,7 @@ def added_lines(plain: Path, port: Path) -> list[str]:
     return [line[1:] for line in diff if line.startswith("+") and not line.startswith("+++")]
 
 
-@pytest.mark.parametrize(("example", "most"), [("resumable", 10), ("lightning", 3)])
+@pytest.mark.parametrize(("example", "most"), [("resumable", 10), ("lightning", 3), ("hf_trainer", 5)])
 def test_the_port_changes_at_most_so_many_lines(example: str, most: int) -> None:
     added = added_lines(EXAMPLES / example / "train_plain.py", EXAMPLES / example / "train.py")
     assert len(added) <= most, "\n".join(added)
