@@ -93,12 +93,21 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
     agent sets it, and no PHALANX_* variables, so metrics stay in memory.
     """
     _, workdir = digits_spec(epochs)
-    env = {**without_phalanx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launched = time.time()
+    args = ["train.py", f"--epochs={epochs}", f"--checkpoint-every={checkpoint_every}"]
+    text = plain_torchrun_nodes(workdir, args, timeout)
+    return parse_training_output(text, launched, "plain torchrun")
+
+
+def plain_torchrun_nodes(workdir: Path, args: list[str], timeout: float = 600.0, **env_extra: str) -> str:
+    """`args` (a script and its arguments) under two plain torchrun nodes, 1 rank each, static
+    rendezvous on loopback, OMP_NUM_THREADS=1 as the agent sets it, no PHALANX_* variables but
+    `env_extra`; returns node 0's output."""
+    env = {**without_phalanx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         nodes = Supervisor(Path(tmp), env=env, grace=5.0)
         try:
-            launched = time.time()
             for node_rank in (0, 1):
                 argv = [
                     sys.executable,
@@ -111,9 +120,7 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
                     f"--master-port={port}",
                     "--rdzv-backend=static",
                     "--max-restarts=0",
-                    "train.py",
-                    f"--epochs={epochs}",
-                    f"--checkpoint-every={checkpoint_every}",
+                    *args,
                 ]
                 nodes.spawn(f"node{node_rank}", argv, cwd=workdir)
             deadline = time.monotonic() + timeout
@@ -125,7 +132,7 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
         text = nodes.log("node0")
         if any(codes):
             raise BenchError(f"plain torchrun exited with {codes}:\n{text[-3000:]}")
-        return parse_training_output(text, launched, "plain torchrun")
+        return text
 
 
 def wait_for_job(running: RunningStack, job_id: int, timeout: float) -> JobDetail:
@@ -162,23 +169,36 @@ def phalanx_run(
 ) -> TrainingRun:
     """Submit the digits example (2 nodes x 1 cpu slot) and read rank 0's figures from its logs;
     `spec_update`: fields of the job spec to set (validated)."""
-    client = running.client
     spec, workdir = digits_spec(epochs, checkpoint_every)
     if spec_update:
         spec = JobSpec.model_validate({**spec.model_dump(), **spec_update})
     launched = time.time()
+    text = phalanx_job_output(running, spec, workdir, timeout)
+    return parse_training_output(text, launched, "the digits job")
+
+
+def phalanx_job_output(running: RunningStack, spec: JobSpec, workdir: Path, timeout: float = 300.0) -> str:
+    """Submit `spec`, wait for it to complete, and return rank 0's output once it printed its
+    steps-per-second line (logs travel apart from the exit report) or 10 s passed."""
+    client = running.client
     job = client.submit(spec, workdir)
     detail = wait_for_job(running, job.id, timeout)
     if detail.state.value != "COMPLETED":
         tail = "\n".join(r.line for r in client.logs(job.id, limit=1000)[-40:])
         raise BenchError(f"job {job.id} ended {detail.state.value}:\n{tail}")
-    # Logs travel separately from the exit report: give the last lines a moment to land.
     deadline = time.monotonic() + 10
     while True:
         text = "\n".join(record.line for record in client.logs(job.id, rank=0, limit=10_000))
         if STEPS_PER_SECOND.search(text) or time.monotonic() > deadline:
-            return parse_training_output(text, launched, f"job {job.id}")
+            return text
         time.sleep(0.2)
+
+
+def steps_per_second(text: str, what: str) -> float:
+    rate = STEPS_PER_SECOND.search(text)
+    if rate is None:
+        raise BenchError(f"{what}: rank 0 printed no steps-per-second line:\n{text[-3000:]}")
+    return float(rate.group(1))
 
 
 @contextmanager

@@ -85,6 +85,15 @@ BENCHMARKS = (
             f">= {r['goal_ratio']} x",
         ),
     ),
+    Benchmark(
+        "integrations",
+        "bench_integrations.py",
+        quick_args=("--repeat", "1"),
+        summary=lambda r: (
+            "; ".join(f"{row['workload']} {row['ratio']} x" for row in r["rows"]),
+            f">= {r['goal_ratio']} x plain torchrun, each",
+        ),
+    ),
     Benchmark("start_latency", "bench_start_latency.py", quick_args=("--repeat", "2"), summary=_latency_summary),
     Benchmark(
         "checkpoint",
