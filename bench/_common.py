@@ -99,37 +99,39 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
     return parse_training_output(text, launched, "plain torchrun")
 
 
-def plain_torchrun_nodes(workdir: Path, args: list[str], timeout: float = 600.0, **env_extra: str) -> str:
-    """`args` (a script and its arguments) under two plain torchrun nodes, 1 rank each, static
-    rendezvous on loopback, OMP_NUM_THREADS=1 as the agent sets it, no PHALANX_* variables but
-    `env_extra`; returns node 0's output."""
+def plain_torchrun_nodes(
+    workdir: Path, args: list[str], timeout: float = 600.0, nodes: int = 2, per_node: int = 1, **env_extra: str
+) -> str:
+    """`args` (a script and its arguments) under `nodes` plain torchrun nodes of `per_node` ranks
+    each, static rendezvous on loopback, OMP_NUM_THREADS=1 as the agent sets it, no PHALANX_*
+    variables but `env_extra`; returns node 0's output."""
     env = {**without_phalanx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
-        nodes = Supervisor(Path(tmp), env=env, grace=5.0)
+        supervisor = Supervisor(Path(tmp), env=env, grace=5.0)
         try:
-            for node_rank in (0, 1):
+            for node_rank in range(nodes):
                 argv = [
                     sys.executable,
                     "-m",
                     "torch.distributed.run",
-                    "--nnodes=2",
+                    f"--nnodes={nodes}",
                     f"--node-rank={node_rank}",
-                    "--nproc-per-node=1",
+                    f"--nproc-per-node={per_node}",
                     "--master-addr=127.0.0.1",
                     f"--master-port={port}",
                     "--rdzv-backend=static",
                     "--max-restarts=0",
                     *args,
                 ]
-                nodes.spawn(f"node{node_rank}", argv, cwd=workdir)
+                supervisor.spawn(f"node{node_rank}", argv, cwd=workdir)
             deadline = time.monotonic() + timeout
-            for proc in nodes.children.values():
+            for proc in supervisor.children.values():
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            codes = [proc.returncode for proc in nodes.children.values()]
+            codes = [proc.returncode for proc in supervisor.children.values()]
         finally:
-            nodes.close()
-        text = nodes.log("node0")
+            supervisor.close()
+        text = supervisor.log("node0")
         if any(codes):
             raise BenchError(f"plain torchrun exited with {codes}:\n{text[-3000:]}")
         return text
