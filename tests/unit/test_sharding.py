@@ -84,10 +84,10 @@ def run(tmp_path: Path, mode: str, steps: int, ranks: int = 2, **env: str) -> li
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
-def test_fsdp_shards_the_model_and_resumes_exactly_from_a_sharded_checkpoint(tmp_path: Path, precision: str) -> None:
+def test_fsdp_shards_the_model_and_resumes_exactly_from_a_sharded_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    env = {"PHALANX_CHECKPOINT_ROOT": f"file://{root}", "PHALANX_PRECISION": precision}
+    # bf16: FSDP's mixed precision (bf16 all-gathers, fp32 reduce-scatters) under the job's autocast
+    env = {"PHALANX_CHECKPOINT_ROOT": f"file://{root}", "PHALANX_PRECISION": "bf16-mixed"}
     full = run(tmp_path, "full", 10, **env)
     assert [r["local_rows"] for r in full] == [8, 8], "each rank holds half of each weight"
     assert full[0]["keys"] == 8 and full[1]["keys"] == 0, "the full state is gathered on rank 0 only"
