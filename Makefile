@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
 	# dev: tests and linters; examples: what examples/ imports (the tests and `make demo` run them);
 	# the framework extras: the integrations' tests and examples
-	$(PIP) install --quiet -e '.[dev,examples,lightning,transformers]'
+	$(PIP) install --quiet -e '.[dev,examples,lightning,transformers,jax]'
 	touch $@
 
 install: $(VENV)/.installed
