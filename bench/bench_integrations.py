@@ -90,9 +90,9 @@ def fsdp_workload(steps: int) -> tuple[Callable[[], float], Callable[[RunningSta
 
 
 WORKLOADS: dict[str, Callable[[], tuple[Callable[[], float], Callable[[RunningStack], float]]]] = {
-    "lightning": lambda: framework_workload("lightning", 600),
-    "transformers": lambda: framework_workload("transformers", 200),
-    "fsdp": lambda: fsdp_workload(80),
+    "lightning": lambda: framework_workload("lightning", 2000),
+    "transformers": lambda: framework_workload("transformers", 400),
+    "fsdp": lambda: fsdp_workload(150),
 }
 
 

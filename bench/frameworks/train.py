@@ -65,15 +65,18 @@ def lightning(steps: int, phalanx: bool) -> None:
     data = TensorDataset(torch.tensor(digits.data / 16.0, dtype=torch.float32), torch.tensor(digits.target))
     loader = DataLoader(data, batch_size=32, shuffle=True)
     common = {"max_steps": steps, "log_every_n_steps": 10, "enable_progress_bar": False, "enable_model_summary": False}
+    # An epoch here lasts ~0.25 s: Lightning's default checkpoint per epoch would be 4 a second on
+    # both sides. Every 100 steps (~1 s) is bench_ddp_throughput's cadence, still far above real use.
+    callbacks = [L.callbacks.ModelCheckpoint(every_n_train_steps=100)]
     if phalanx:
         import phalanx.integrations.lightning as pxl
 
-        trainer = L.Trainer(**common, **pxl.trainer_kwargs())
+        trainer = L.Trainer(**common, **pxl.trainer_kwargs(callbacks=callbacks))
         trainer.fit(Digits(), loader, ckpt_path=pxl.ckpt_path())
     else:
         world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         gang = {"num_nodes": world // local, "devices": local, "accelerator": "cpu", "strategy": "ddp"}
-        trainer = L.Trainer(**common, **(gang if world > 1 else {}))
+        trainer = L.Trainer(**common, callbacks=callbacks, **(gang if world > 1 else {}))
         trainer.fit(Digits(), loader)
     rate.report()
 

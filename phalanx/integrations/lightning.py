@@ -18,8 +18,8 @@ What `trainer_kwargs()` gives the Trainer:
   same step, after a checkpoint of that step.
 
 Checkpoints: with `enable_checkpointing` left on, Lightning's own `ModelCheckpoint` decides when
-to save (every epoch by default; pass your own `ModelCheckpoint(every_n_train_steps=...)` in
-`callbacks` to change it); the files it would rotate are Phalanx's to keep or delete.
+to save (every epoch by default; `trainer_kwargs(callbacks=[ModelCheckpoint(every_n_train_steps=
+...)])` changes it); the files it would rotate are Phalanx's to keep or delete.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ class PhalanxStopCallback(Callback):
         trainer.should_stop = True
 
 
-def trainer_kwargs() -> dict[str, Any]:
-    """Keyword arguments for `L.Trainer(...)`: spread them in, next to your own."""
+def trainer_kwargs(callbacks: list[Callback] | None = None, plugins: list[Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for `L.Trainer(...)`: spread them in, next to your own. Pass your own
+    `callbacks` and `plugins` here rather than to the Trainer: they join Phalanx's."""
     ctx = pt.init()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     io = PhalanxCheckpointIO(ctx)
@@ -122,8 +123,8 @@ def trainer_kwargs() -> dict[str, Any]:
         "accelerator": "gpu" if ctx.device.type == "cuda" else "cpu",
         "precision": _PRECISION.get(ctx.precision, "32-true"),
         "logger": PhalanxLogger(ctx),
-        "plugins": [io],
-        "callbacks": [PhalanxStopCallback(ctx, io)],
+        "plugins": [*(plugins or []), io],
+        "callbacks": [*(callbacks or []), PhalanxStopCallback(ctx, io)],
     }
     if ctx.world_size > 1:
         kwargs["strategy"] = "ddp"

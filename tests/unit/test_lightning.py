@@ -83,3 +83,19 @@ def test_the_lightning_example_runs_without_phalanx(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(list(root.iterdir())) == 2, "Lightning's ModelCheckpoint saved each epoch through Phalanx"
+
+
+def test_your_callbacks_and_plugins_join_phalanxs() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    import phalanx.integrations.lightning as pxl
+    import phalanx.train as pt
+
+    mine, io = ModelCheckpoint(every_n_train_steps=5), TorchCheckpointIO()
+    try:
+        kwargs = pxl.trainer_kwargs(callbacks=[mine], plugins=[io])
+        assert kwargs["callbacks"][0] is mine and isinstance(kwargs["callbacks"][1], pxl.PhalanxStopCallback)
+        assert kwargs["plugins"][0] is io and isinstance(kwargs["plugins"][1], pxl.PhalanxCheckpointIO)
+    finally:
+        pt.init().finish()
