@@ -54,17 +54,28 @@ def scripted(name: str, steps: int, nodes: int = 1) -> tuple[JobSpec, Path]:
 
 def test_a_team_that_submits_later_starts_before_the_busy_teams_backlog(stack: Stack) -> None:
     """Two teams of equal weight on 2 slots: A submits 6 jobs, B 2 once A's first two run; B's
-    first job takes the first slot that frees up, before A's fourth job (strict FIFO would run
-    all of A's first)."""
+    first job takes the first slot that frees up, before A's third job (strict FIFO would run
+    all of A's first). A's first two jobs differ in length so that one slot frees at a time,
+    and run long enough that B has submitted by then."""
     with (
         stack.client() as admin,
         member_of(admin, stack.url, "ann", "a") as a,
         member_of(admin, stack.url, "bea", "b") as b,
     ):
         spec, workdir = scripted("job", steps=40)
-        a_jobs = [a.submit(spec.model_copy(update={"name": f"a{i}"}), workdir).id for i in range(6)]
+        steps = [120, 240, 40, 40, 40, 40]
+        a_jobs = [
+            a.submit(
+                spec.model_copy(
+                    update={"name": f"a{i}", "hyperparameters": {**spec.hyperparameters, "steps": steps[i]}}
+                ),
+                workdir,
+            ).id
+            for i in range(6)
+        ]
         wait_for(lambda: all(a.get_job(j).started_at for j in a_jobs[:2]), 120, "team a's first two jobs to run")
         b_jobs = [b.submit(spec.model_copy(update={"name": f"b{i}"}), workdir).id for i in range(2)]
+        assert not any(a.get_job(j).ended_at for j in a_jobs[:2]), "team a's first jobs ended before b submitted"
         for job_id in [*a_jobs, *b_jobs]:
             assert admin.wait(job_id, timeout=300).state is JobState.COMPLETED
         started = {job_id: admin.get_job(job_id).started_at or NEVER for job_id in [*a_jobs, *b_jobs]}
