@@ -1,9 +1,10 @@
 """Checkpoints from inside the training loop.
 
 Writing: the ranks that write (rank 0, or every rank when sharded) save under a temporary name
-on the training thread (the same cost as a plain `torch.save`); a background thread then renames
-the folder into place and commits it to the server. A checkpoint exists for Phalanx only once
-that commit is recorded, so a crash mid-write never leaves a corrupt "latest".
+on the training thread (the same cost as a plain `torch.save`, into the page cache); a background
+thread then flushes the files to the disk (local filesystems), renames the folder into place and
+commits it to the server. A checkpoint exists for Phalanx only once that commit is recorded, so a
+crash mid-write, or a machine's power loss after the commit, never leaves a corrupt "latest".
 
 Reading: a new attempt gets its resume point from the agent (PHALANX_RESUME_STEP/_PATH);
 `ctx.latest_checkpoint` exposes it.
@@ -176,7 +177,12 @@ class CheckpointWriter:
         if fs.exists(final):  # the same step saved twice in one attempt: the newer files win
             fs.rm(final, recursive=True)
         if _is_local(fs):
+            # Durable before it becomes visible: a machine that loses power after the commit must
+            # still hold the files. The training thread never waits for the disk (DCP's own fsync
+            # is off); this thread does, once per checkpoint.
+            _fsync_tree(Path(tmp))
             fs.mv(tmp, final, recursive=True)  # one rename on a filesystem: atomic
+            _fsync_dir(Path(final).parent)
         else:
             # Object stores have no folders to rename (a recursive mv trips over the folder's own
             # key on S3): move file by file. The checkpoint still becomes visible only when the
@@ -204,6 +210,30 @@ class CheckpointWriter:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then the folders that name them, to the disk."""
+    folders = [root]
+    for path in root.rglob("*"):
+        if path.is_dir():
+            folders.append(path)
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for folder in folders:
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _put_files(fs: Any, source: Path, files: Collection[str], target: str) -> None:

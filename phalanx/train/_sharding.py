@@ -58,7 +58,9 @@ def _writer(path: str) -> Any:
     fs, root = fsspec.core.url_to_fs(path)
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if "file" in protocols or "local" in protocols:
-        return FileSystemWriter(root)
+        # No fsync on the training thread (DCP's default is one per file, waited for by every
+        # rank): the checkpoint writer's background thread flushes the folder before the commit.
+        return FileSystemWriter(root, sync_files=False)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return FsspecWriter(path)
