@@ -37,6 +37,7 @@ as cold torchruns would; the agent's stop walks their trees). Thread-safe.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -393,7 +394,7 @@ def _shim_request(conn: socket.socket, ranks: dict[int, socket.socket], selector
         _refuse(conn, fds, {"error": "a rank needs its stdin, stdout and stderr"})
         return
     try:
-        pid = os.fork()
+        pid = _fork_frozen()
     except OSError as exc:
         _refuse(conn, fds, {"error": f"fork failed: {exc}"})
         return
@@ -403,6 +404,18 @@ def _shim_request(conn: socket.socket, ranks: dict[int, socket.socket], selector
         os.close(fd)
     ranks[pid] = conn
     _send(conn, {"pid": pid})
+
+
+def _fork_frozen() -> int:
+    """os.fork() with every object alive now moved out of the garbage collector's reach.
+
+    A child shares the server's memory (torch's modules: ~100k objects) copy-on-write. Its first
+    full collection would write to every one of those objects' headers, copying every page that
+    holds them: a ~170 ms stall, measured mid-run in a forked rank's checkpoint step. Frozen, they
+    are never traversed: no copies, and shorter collections than a fresh interpreter's. They are
+    the imported modules, alive for the process's life anyway."""
+    gc.freeze()
+    return os.fork()
 
 
 def _refuse(sock: socket.socket, fds: list[int], answer: dict[str, Any]) -> None:
@@ -436,7 +449,7 @@ def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
         _refuse(sock, fds, {"id": message.get("id"), "error": "a launch needs its stdout and stderr"})
         return
     try:
-        pid = os.fork()
+        pid = _fork_frozen()
     except OSError as exc:
         _refuse(sock, fds, {"id": message["id"], "error": f"fork failed: {exc}"})
         return
