@@ -182,7 +182,7 @@ class CheckpointWriter:
             # is off); this thread does, once per checkpoint.
             _fsync_tree(Path(tmp))
             fs.mv(tmp, final, recursive=True)  # one rename on a filesystem: atomic
-            _fsync_dir(Path(final).parent)
+            _fsync(Path(final).parent)
         else:
             # Object stores have no folders to rename (a recursive mv trips over the folder's own
             # key on S3): move file by file. The checkpoint still becomes visible only when the
@@ -213,23 +213,15 @@ class CheckpointWriter:
 
 
 def _fsync_tree(root: Path) -> None:
-    """Flush every file under `root`, then the folders that name them, to the disk."""
-    folders = [root]
-    for path in root.rglob("*"):
-        if path.is_dir():
-            folders.append(path)
-        else:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for folder in folders:
-        _fsync_dir(folder)
+    """Flush every file under `root` to the disk, then the folders that name them."""
+    paths = sorted(root.rglob("*"), key=lambda path: path.is_dir())  # files first
+    for path in [*paths, root]:
+        _fsync(path)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
