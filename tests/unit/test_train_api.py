@@ -257,6 +257,38 @@ def test_sigterm_sets_should_stop_without_exiting() -> None:
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler leaves with the context
 
 
+FREEZE_PROBE = """
+import gc, json, torch
+import phalanx.train as pt
+if FORKED:
+    gc.freeze()  # what the fork-server does before it forks a rank
+setup_leftover = [[] for _ in range(3)]  # built by the script's setup, alive through training
+ctx = pt.init()
+ctx.prepare_model(torch.nn.Linear(2, 2))
+tracked = any(obj is setup_leftover for obj in gc.get_objects())  # the permanent generation is not listed
+print(json.dumps({"tracked": tracked, "frozen": gc.get_freeze_count()}))
+ctx.finish()
+"""
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_prepare_model_freezes_the_setup_only_in_a_forked_rank(forked: bool) -> None:
+    """A forked rank's collector no longer counts torch's (frozen) modules, so the setup's objects
+    must be frozen too or full collections land in the first training steps; a fresh
+    interpreter's collector is left as Python sets it."""
+    out = subprocess.run(
+        [sys.executable, "-c", f"FORKED = {forked}\n" + textwrap.dedent(FREEZE_PROBE)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    probe = json.loads(out.stdout.splitlines()[-1])
+    assert probe["tracked"] is not forked
+    assert (probe["frozen"] > 0) is forked
+
+
 HEAVY_MODULES = {"server", "scheduler", "worker_agent", "pydantic", "httpx", "tenacity", "fastapi", "sqlalchemy"}
 
 
