@@ -14,6 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx.schemas import TERMINAL_JOB_STATES, JobSpec, JobState, StudySpec, StudyState, TrialState
+from phalanx.schemas.specs import DDP_PARAM_PREFIX
 from server import jobs
 from server.errors import Conflict, NotFound, Unprocessable
 from server.models import Job, TuningStudy, TuningTrial
@@ -45,9 +46,12 @@ def check_grid(spec: StudySpec, maximum: int) -> None:
 
 def trial_job_spec(spec: StudySpec, number: int, params: dict[str, object]) -> JobSpec:
     """The job of trial `number`: the template, named after the study, the sampled parameters
-    merged over the template's hyperparameters."""
+    merged over the template's hyperparameters (those named `ddp.<option>` over its ddp options)."""
     template = spec.trial.model_dump(mode="json", exclude={"name"})
-    template["hyperparameters"] = {**spec.trial.hyperparameters, **params}
+    ddp = {n[len(DDP_PARAM_PREFIX) :]: v for n, v in params.items() if n.startswith(DDP_PARAM_PREFIX)}
+    hyperparameters = {n: v for n, v in params.items() if not n.startswith(DDP_PARAM_PREFIX)}
+    template["hyperparameters"] = {**spec.trial.hyperparameters, **hyperparameters}
+    template["ddp"] = {**template["ddp"], **ddp}
     return JobSpec.model_validate({**template, "name": f"{spec.name}-t{number}", "team": spec.team})
 
 

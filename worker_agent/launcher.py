@@ -174,6 +174,7 @@ def rank_env(a: Assignment, base: dict[str, str], server_url: str, address: str)
         PHALANX_ATTEMPT=str(a.attempt),
         PHALANX_HPARAMS=json.dumps(a.hyperparameters),
         PHALANX_PRECISION=a.precision.value,
+        PHALANX_DDP=a.ddp.model_dump_json(),
         PHALANX_CHECKPOINT_ROOT=a.checkpoint_root,
         PHALANX_PG_TIMEOUT=f"{a.pg_timeout:g}",
     )

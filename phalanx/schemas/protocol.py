@@ -13,7 +13,7 @@ from pydantic import Field
 
 from phalanx.schemas._base import NAME_PATTERN, NUL_FREE, MetricValue, PrintedText, StrictModel, WireModel
 from phalanx.schemas.enums import AgentState, Precision, SlotType
-from phalanx.schemas.specs import RuntimeEnv
+from phalanx.schemas.specs import DdpOptions, RuntimeEnv
 
 # What the database stores (INTEGER, BIGINT, a timestamp before year 10000): a value past these is
 # refused here (422) instead of failing the insert.
@@ -77,6 +77,7 @@ class Assignment(WireModel):
     env: dict[str, str]
     hyperparameters: dict[str, Any]
     precision: Precision
+    ddp: DdpOptions = Field(default_factory=DdpOptions)
     checkpoint_root: str = ""
     resume: ResumePoint | None = None
     pg_timeout: float = 120.0

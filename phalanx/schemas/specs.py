@@ -166,6 +166,31 @@ class RuntimeEnv(SpecModel):
         return self
 
 
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+DDP_PARAM_PREFIX = "ddp."  # a study's parameter named ddp.<option> sets the trial's `ddp.<option>`
+
+
+class DdpOptions(SpecModel):
+    """How `ctx.prepare_model` builds DistributedDataParallel: DDP's own arguments, and a
+    communication hook from torch.distributed.algorithms.ddp_comm_hooks. Arguments the script
+    passes to `prepare_model` itself win over these."""
+
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none",
+        description="Compress gradients before the all-reduce: fp16 or bf16 (half the bytes), or PowerSGD "
+        "(low-rank, with error feedback; its state is saved with every checkpoint).",
+    )
+    powersgd_rank: int = Field(1, ge=1, le=1024, description="PowerSGD's matrix approximation rank.")
+    powersgd_start_iter: int = Field(
+        10, ge=2, le=10**9, description="Steps of plain all-reduce before PowerSGD compresses (its warm-up)."
+    )
+    bucket_cap_mb: float | None = Field(
+        None, gt=0, le=1024, description="Gradient bucket size in MiB (DDP's default: 25)."
+    )
+    gradient_as_bucket_view: bool = Field(False, description="Gradients as views into the buckets (less memory).")
+    static_graph: bool = Field(False, description="The model uses the same parameters every step (DDP's static_graph).")
+
+
 class JobSpec(SpecModel):
     """A job file. Every field a user may write; nothing else is accepted."""
 
@@ -187,6 +212,9 @@ class JobSpec(SpecModel):
         Field(max_length=MAX_HYPERPARAMETERS),
     ] = Field(default_factory=dict)
     precision: Precision = Precision.FP32
+    ddp: DdpOptions = Field(
+        default_factory=DdpOptions, description="DistributedDataParallel's options for `ctx.prepare_model`."
+    )
     max_restarts: int = Field(0, ge=0, le=1000, description="Restarts after the job's own failures.")
     max_infra_restarts: int = Field(
         10,
@@ -552,6 +580,7 @@ class StudySpec(SpecModel):
                 )
             if self.n_trials > size:
                 raise ValueError(f"n_trials ({self.n_trials}) is above the grid's {size} combinations; lower n_trials")
+        self._ddp_params_valid()
         self._trial_hyperparameters_fit()
         if len(self.enqueue) > self.n_trials:
             raise ValueError(f"enqueue: {len(self.enqueue)} configurations but n_trials is {self.n_trials}")
@@ -564,17 +593,37 @@ class StudySpec(SpecModel):
                     raise ValueError(f"enqueue[{index}].{name}: {problem}")
         return self
 
+    def _ddp_params_valid(self) -> None:
+        """A parameter named `ddp.<option>` is searched like any other, and lands in the trial's
+        `ddp` options instead of its hyperparameters: every value it can take must be one the
+        option accepts."""
+        for name, param in self.search_space.items():
+            if not name.startswith(DDP_PARAM_PREFIX):
+                continue
+            option = name[len(DDP_PARAM_PREFIX) :]
+            if option not in DdpOptions.model_fields:
+                known = ", ".join(DdpOptions.model_fields)
+                raise ValueError(f"search_space.{name}: ddp has no option {option!r}; use one of {known}")
+            values = param.choices if isinstance(param, CategoricalParam) else [param.low, param.high]
+            for value in values:
+                try:
+                    DdpOptions.model_validate({option: value})
+                except ValueError as exc:
+                    problem = str(exc).splitlines()[-1].strip()
+                    raise ValueError(f"search_space.{name}: {value!r} is not a valid ddp.{option}: {problem}") from None
+
     def _trial_hyperparameters_fit(self) -> None:
         """A trial's hyperparameters are the template's with the sampled parameters over them:
         refuse a study whose trials could outgrow the bounds of a job's hyperparameters."""
         kept = {k: v for k, v in self.trial.hyperparameters.items() if k not in self.search_space}
-        count = len(kept) + len(self.search_space)
+        searched = {n: p for n, p in self.search_space.items() if not n.startswith(DDP_PARAM_PREFIX)}
+        count = len(kept) + len(searched)
         if count > MAX_HYPERPARAMETERS:
             raise ValueError(
                 f"trial.hyperparameters: with the search space's parameters a trial has {count} hyperparameters, "
                 f"above the limit of {MAX_HYPERPARAMETERS}"
             )
-        chars = _json_chars(kept) + sum(len(json.dumps(n)) + 2 + _widest(p) for n, p in self.search_space.items())
+        chars = _json_chars(kept) + sum(len(json.dumps(n)) + 2 + _widest(p) for n, p in searched.items())
         if chars > MAX_HYPERPARAMETERS_JSON_CHARS:
             raise ValueError(
                 f"trial.hyperparameters: with the search space's parameters a trial's hyperparameters could take "

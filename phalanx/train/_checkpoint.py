@@ -29,6 +29,7 @@ from phalanx import _wire
 
 logger = logging.getLogger("phalanx.train")
 STATE_FILE = "state.pt"
+RANK_STATE_DIR = "phalanx-rank-state"  # each rank's own state that resumes with it (see CheckpointWriter)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,17 @@ class Checkpoint:
         torch_load_kwargs.setdefault("map_location", "cpu")
         with fsspec.open(f"{self.path}/{name}", "rb") as handle:
             return torch.load(handle, **torch_load_kwargs)
+
+
+def load_rank_state(checkpoint: Checkpoint, rank: int, world_size: int) -> Any:
+    """What `rank` saved of its own in `checkpoint` (CheckpointWriter.rank_state), or None when it
+    saved nothing or the gang had another size (the state then starts afresh)."""
+    fs, root = fsspec.core.url_to_fs(f"{checkpoint.path}/{RANK_STATE_DIR}/rank-{rank}.pt")
+    if not fs.exists(root):
+        return None
+    with fs.open(root, "rb") as handle:
+        saved = torch.load(handle, map_location="cpu", weights_only=False)
+    return saved["state"] if saved.get("world_size") == world_size else None
 
 
 def _is_local(fs: Any) -> bool:
@@ -94,6 +106,10 @@ class CheckpointWriter:
         self._idle.set()
         self._thread: threading.Thread | None = None
         self.committed: list[Checkpoint] = []
+        # Each rank's own state that training needs back exactly (PowerSGD's error feedback),
+        # written by every rank beside the checkpoint's files: `rank_state()` or None for none.
+        self.rank_state: Callable[[], Any] | None = None
+        self._saves_of_step: dict[int, int] = {}
 
     def save(
         self,
@@ -103,8 +119,7 @@ class CheckpointWriter:
         sharded: bool,
         files: Collection[str] | None = None,
     ) -> None:
-        name = f"step-{step:012d}-a{self._attempt}"
-        pending = _Pending(step, f"{self._root}/{name}.tmp", f"{self._root}/{name}", _floats(metrics or {}))
+        pending = self._pending(step, metrics)
         if files is not None:
             sharded = True  # each rank's own files, into the one folder
         writes = sharded or self._rank == 0
@@ -129,8 +144,9 @@ class CheckpointWriter:
                 else:
                     with fs.open(f"{tmp}/{file_name}", "wb") as handle:
                         torch.save(state, handle)
-        if sharded and self._world_size > 1 and dist.is_initialized():
-            dist.barrier()  # every shard is on disk before rank 0 renames the folder
+        wrote_rank_state = self._save_rank_state(pending.tmp)
+        if (sharded or wrote_rank_state) and self._world_size > 1 and dist.is_initialized():
+            dist.barrier()  # every rank's files are on disk before rank 0 renames the folder
         if self._rank == 0:
             self._start()
             self._idle.clear()
@@ -148,13 +164,36 @@ class CheckpointWriter:
         metadata last; rank 0 then renames and commits in the background as for any checkpoint."""
         from phalanx.train._sharding import save_sharded  # FSDP/DCP only for scripts that use them
 
-        name = f"step-{step:012d}-a{self._attempt}"
-        pending = _Pending(step, f"{self._root}/{name}.tmp", f"{self._root}/{name}", _floats(metrics or {}))
+        pending = self._pending(step, metrics)
         save_sharded(pending.tmp, model, optimizer, extra)
+        if self._save_rank_state(pending.tmp) and self._world_size > 1 and dist.is_initialized():
+            dist.barrier()
         if self._rank == 0:
             self._start()
             self._idle.clear()
             self._queue.put(pending)
+
+    def _pending(self, step: int, metrics: Mapping[str, Any] | None) -> _Pending:
+        """The folders of this save. A step saved again in one attempt (a framework's checkpoint
+        and then the one written on a stop) writes to a temporary folder of its own: the first
+        save's commit may be renaming its folder at that very moment. Ranks that save the same
+        steps agree on the name; the newer commit replaces the older."""
+        name = f"step-{step:012d}-a{self._attempt}"
+        count = self._saves_of_step.get(step, 0) + 1
+        self._saves_of_step = {step: count}  # steps only grow: older counts are never needed again
+        tmp = f"{self._root}/{name}.tmp" if count == 1 else f"{self._root}/{name}.tmp{count}"
+        return _Pending(step, tmp, f"{self._root}/{name}", _floats(metrics or {}))
+
+    def _save_rank_state(self, tmp_url: str) -> bool:
+        """Write `rank_state()` as RANK_STATE_DIR/rank-N.pt; False when there is none."""
+        if self.rank_state is None:
+            return False
+        state = {"world_size": self._world_size, "state": self.rank_state()}
+        fs, tmp = fsspec.core.url_to_fs(tmp_url)
+        fs.makedirs(f"{tmp}/{RANK_STATE_DIR}", exist_ok=True)
+        with fs.open(f"{tmp}/{RANK_STATE_DIR}/rank-{self._rank}.pt", "wb") as handle:
+            torch.save(state, handle)
+        return True
 
     def _start(self) -> None:
         if self._thread is None:

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from phalanx.train._checkpoint import STATE_FILE, Checkpoint, CheckpointWriter, resume_point
+from phalanx.train._checkpoint import STATE_FILE, Checkpoint, CheckpointWriter, load_rank_state, resume_point
+from phalanx.train._comm import PREFIX as RESERVED_METRIC_PREFIX
+from phalanx.train._comm import CommMonitor, PowerSGD, ddp_arguments, register_comm_hook
 from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
@@ -60,6 +62,10 @@ class Context:
         self.world_size = env.world_size
         self.hparams: dict[str, Any] = dict(env.hparams)
         self.precision = env.precision
+        # The job's `ddp` options (comm_hook, bucket_cap_mb, ...): what prepare_model builds DDP with.
+        self.ddp_options: dict[str, Any] = dict(env.ddp)
+        self._comm_monitor: CommMonitor | None = None
+        self.comm_state: PowerSGD | None = None  # PowerSGD's hook and state, checkpointed per rank
         self.job_id = env.job_id
         self.allocation_id = env.allocation_id
         self.attempt = env.attempt
@@ -181,12 +187,38 @@ class Context:
             from phalanx.train._sharding import shard_model
 
             model = shard_model(model, self.precision, fsdp_units)
-        elif self.world_size > 1 and self.device.type == "cuda":
-            model = DistributedDataParallel(model, device_ids=[self.device.index], **ddp_kwargs)
         elif self.world_size > 1:
-            model = DistributedDataParallel(model, **ddp_kwargs)
+            model = self._wrap_ddp(model, ddp_kwargs)
         _freeze_setup_if_forked()
         return model
+
+    def _wrap_ddp(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
+        """DDP with the job's options and compression hook, its hook state restored from the
+        checkpoint this attempt resumes, and its step times measured (see `_comm.py`)."""
+        arguments = ddp_arguments(self.ddp_options, ddp_kwargs)
+        if self.device.type == "cuda":
+            arguments.setdefault("device_ids", [self.device.index])
+        ddp = DistributedDataParallel(model, **arguments)
+        if self._comm_monitor is not None:
+            self._comm_monitor.close()  # a second model: the figures follow the latest
+        self.comm_state = register_comm_hook(ddp, self.ddp_options)
+        if self.comm_state is not None:
+            if self.latest_checkpoint is not None:
+                saved = load_rank_state(self.latest_checkpoint, self.rank, self.world_size)
+                if saved is not None:
+                    self.comm_state.load_state_dict(saved)
+            self._checkpoints.rank_state = self._comm_state_to_save
+        powersgd = None if self.comm_state is None else self.comm_state.state
+        self._comm_monitor = CommMonitor(ddp, self._report_reserved, self.ddp_options["comm_hook"], powersgd)
+        return ddp
+
+    def _comm_state_to_save(self) -> Any:
+        assert self.comm_state is not None  # set before this is handed to the checkpoint writer
+        return self.comm_state.state_dict()
+
+    def _report_reserved(self, values: dict[str, float]) -> None:
+        """Platform figures (the `phalanx/` prefix), at the script's latest step."""
+        self._put((max(int(self._last_step), 0), time.time(), values))
 
     def _init_single_process_group(self) -> None:
         store = dist.HashStore()  # type: ignore[attr-defined]  # torch leaves it out of __all__
@@ -241,6 +273,11 @@ class Context:
         """
         if step is None:
             step = self._last_step + 1
+        for name in values:
+            if name.startswith(RESERVED_METRIC_PREFIX):
+                raise ValueError(
+                    f"metric {name!r}: names under {RESERVED_METRIC_PREFIX!r} are Phalanx's own; rename it"
+                )
         self._last_step = step
         # The copy protects against the caller reusing its dict; everything else is deferred.
         self._put((step, time.time(), dict(values)))
@@ -389,6 +426,9 @@ class Context:
             return
         self.finished = True
         self._put = _report_after_finish
+        if self._comm_monitor is not None:
+            self._comm_monitor.close()
+            self._comm_monitor = None
         # The last checkpoint (often the one written because should_stop() said so) must commit.
         self._checkpoints.flush(timeout)
         self._checkpoints.close(1.0)

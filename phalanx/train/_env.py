@@ -11,6 +11,16 @@ from typing import Any
 # Mirrors phalanx.schemas.Precision; duplicated so that importing phalanx.train does not pull in
 # pydantic (a test checks that the two agree).
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
+# Mirrors phalanx.schemas.DdpOptions (its defaults; the agent sends every field, validated).
+DDP_DEFAULTS: dict[str, Any] = {
+    "comm_hook": "none",
+    "powersgd_rank": 1,
+    "powersgd_start_iter": 10,
+    "bucket_cap_mb": None,
+    "gradient_as_bucket_view": False,
+    "static_graph": False,
+}
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DEFAULT_PG_TIMEOUT_S = 120.0
 
 
@@ -21,6 +31,7 @@ class RuntimeEnv:
     world_size: int = 1
     hparams: dict[str, Any] = field(default_factory=dict)
     precision: str = "32"
+    ddp: dict[str, Any] = field(default_factory=lambda: dict(DDP_DEFAULTS))
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
     url: str | None = None
     token: str | None = None
@@ -79,6 +90,8 @@ def read_env(env: Mapping[str, str] | None = None) -> RuntimeEnv:
     if precision not in PRECISIONS:
         raise ValueError(f"PHALANX_PRECISION={precision!r} is not one of {', '.join(PRECISIONS)}")
 
+    ddp = _ddp_options(env.get("PHALANX_DDP", "").strip())
+
     raw_timeout = env.get("PHALANX_PG_TIMEOUT", "").strip()
     pg_timeout_s = DEFAULT_PG_TIMEOUT_S
     if raw_timeout:
@@ -100,6 +113,7 @@ def read_env(env: Mapping[str, str] | None = None) -> RuntimeEnv:
         world_size=world_size,
         hparams=hparams,
         precision=precision,
+        ddp=ddp,
         pg_timeout_s=pg_timeout_s,
         url=url,
         token=env.get("PHALANX_TOKEN") or None,
@@ -107,3 +121,33 @@ def read_env(env: Mapping[str, str] | None = None) -> RuntimeEnv:
         allocation_id=allocation_id,
         attempt=_required_int(env, "PHALANX_ATTEMPT", 0),
     )
+
+
+def _ddp_options(raw: str) -> dict[str, Any]:
+    """PHALANX_DDP (the job's `ddp` options as JSON) over the defaults; set by hand outside
+    Phalanx, it is checked here as the job schema would."""
+    options = dict(DDP_DEFAULTS)
+    if not raw:
+        return options
+    try:
+        given = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"PHALANX_DDP is not valid JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise ValueError('PHALANX_DDP must be a JSON object such as {"comm_hook": "bf16"}')
+    unknown = sorted(set(given) - set(DDP_DEFAULTS))
+    if unknown:
+        raise ValueError(f"PHALANX_DDP: unknown option(s) {', '.join(unknown)}; known: {', '.join(DDP_DEFAULTS)}")
+    options.update(given)
+    if options["comm_hook"] not in COMM_HOOKS:
+        raise ValueError(f"PHALANX_DDP: comm_hook={options['comm_hook']!r} is not one of {', '.join(COMM_HOOKS)}")
+    for name in ("powersgd_rank", "powersgd_start_iter"):
+        if isinstance(options[name], bool) or not isinstance(options[name], int) or options[name] < 1:
+            raise ValueError(f"PHALANX_DDP: {name}={options[name]!r} must be a positive integer")
+    cap = options["bucket_cap_mb"]
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or cap <= 0):
+        raise ValueError(f"PHALANX_DDP: bucket_cap_mb={cap!r} must be a positive number of MiB")
+    for name in ("gradient_as_bucket_view", "static_graph"):
+        if not isinstance(options[name], bool):
+            raise ValueError(f"PHALANX_DDP: {name}={options[name]!r} must be true or false")
+    return options

@@ -106,6 +106,7 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
                     env=spec.env,
                     hyperparameters=spec.hyperparameters,
                     precision=spec.precision,
+                    ddp=spec.ddp,
                     checkpoint_root=storage_for(job, settings.checkpoint_uri),
                     resume=_resume_point(session, allocation),
                     pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),

@@ -689,3 +689,31 @@ def test_checkpoint_on_a_non_local_fsspec_filesystem(monkeypatch: pytest.MonkeyP
         assert committed.load()["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
     finally:
         ctx.finish()
+
+
+def test_a_step_saved_twice_keeps_the_newer_files_while_the_first_commit_is_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning writes its checkpoint and then, on a stop, the same step again: the second save
+    must not write into the folder that the first one's commit is renaming."""
+    from phalanx.train import _checkpoint
+
+    first_commit_under_way, second_saved = threading.Event(), threading.Event()
+    real_fsync_tree = _checkpoint._fsync_tree
+
+    def held_fsync_tree(root: Path) -> None:
+        if not first_commit_under_way.is_set():
+            first_commit_under_way.set()
+            assert second_saved.wait(30)
+        real_fsync_tree(root)
+
+    monkeypatch.setattr(_checkpoint, "_fsync_tree", held_fsync_tree)
+    writer = _checkpoint.CheckpointWriter(f"file://{tmp_path}", 0, 0, 1, None, lambda: None)
+    writer.save({"version": 1}, 5, None, sharded=False)
+    assert first_commit_under_way.wait(30)
+    writer.save({"version": 2}, 5, None, sharded=False)
+    second_saved.set()
+    assert writer.flush(30)
+    writer.close(5)
+    assert [p.name for p in tmp_path.iterdir()] == [f"step-{5:012d}-a0"], "no temporary folder left"
+    assert torch.load(tmp_path / f"step-{5:012d}-a0" / "state.pt")["version"] == 2, "the newer save wins"
