@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Collection, Sequence
 from typing import Literal
@@ -12,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import instance_state
 
-from phalanx import schemas
+from phalanx import figures, schemas
 from server.auth import Principal
 from server.models import (
     Agent,
@@ -22,6 +24,7 @@ from server.models import (
     Checkpoint,
     Job,
     LogLine,
+    Metric,
     SlotLease,
     Team,
     TuningStudy,
@@ -163,6 +166,73 @@ def job_detail(session: Session, row: Job) -> schemas.JobDetail:
         ],
         allocations=[allocation(a) for a in row.allocations],
         env_lock=row.env_lock,
+        communication=communication(session, row),
+    )
+
+
+def communication(session: Session, row: Job) -> schemas.Communication | None:
+    """The job's communication figures from each rank's latest report in its latest attempt that
+    reported any (one query on the metrics index); None when no rank reported them."""
+    if not row.allocations:
+        return None
+    newest = (
+        func.row_number()
+        .over(partition_by=(Metric.rank, Metric.name), order_by=(Metric.step.desc(), Metric.id.desc()))
+        .label("newest")
+    )
+    latest = (
+        select(Metric.rank, Metric.name, Metric.value, Metric.step, newest)
+        .where(
+            Metric.job_id == row.id,
+            Metric.name.in_(figures.COMMUNICATION),
+            Metric.allocation_id == row.allocations[-1].id,
+        )
+        .subquery()
+    )
+    by_rank: dict[int, dict[str, float]] = defaultdict(dict)
+    steps: dict[int, int] = {}
+    for rank, name, value, step in session.execute(
+        select(latest.c.rank, latest.c.name, latest.c.value, latest.c.step).where(latest.c.newest == 1)
+    ):
+        by_rank[rank][name] = value
+        steps[rank] = max(steps.get(rank, 0), step)
+    ranks = [
+        _rank_communication(rank, steps[rank], values)
+        for rank, values in sorted(by_rank.items())
+        if all(name in values and math.isfinite(values[name]) for name in figures.COMMUNICATION)
+    ]
+    if not ranks:
+        return None
+    step_time = statistics.median(r.step_time_s for r in ranks)
+    own_work = {r.rank: r.step_time_s - r.comm_exposed_s for r in ranks}
+    typical = statistics.median(own_work.values())
+    slowest = max(own_work, key=lambda rank: (own_work[rank], -rank))
+    return schemas.Communication(
+        step_time_s=step_time,
+        comm_fraction=min(statistics.median(r.comm_exposed_s for r in ranks) / step_time, 1.0)
+        if step_time > 0
+        else 0.0,
+        bytes_per_step=max(r.bytes_per_step for r in ranks),
+        straggler_ratio=own_work[slowest] / typical if typical > 0 else 1.0,
+        slowest_rank=slowest,
+        ranks=ranks,
+    )
+
+
+def _rank_communication(rank: int, step: int, values: dict[str, float]) -> schemas.RankCommunication:
+    step_time = values[figures.STEP_TIME]
+    data, compute = values[figures.DATA_TIME], values[figures.COMPUTE_TIME]
+    exposed = values[figures.COMM_EXPOSED]
+    return schemas.RankCommunication(
+        rank=rank,
+        step=step,
+        step_time_s=step_time,
+        data_time_s=data,
+        compute_time_s=compute,
+        comm_exposed_s=exposed,
+        comm_time_s=values[figures.COMM_TIME],
+        other_s=max(step_time - data - compute - exposed, 0.0),
+        bytes_per_step=values[figures.COMM_BYTES],
     )
 
 
@@ -202,7 +272,8 @@ def latest_metrics_by_job(session: Session, job_ids: Collection[int]) -> dict[in
     )
     for job_id, metrics, newest_step in rows:  # later attempts overwrite earlier ones (None: filtered out)
         values, _ = result.setdefault(job_id, ({}, None))
-        values.update(metrics or {})
+        # Phalanx's own figures have their place (JobDetail.communication); these are the script's
+        values.update((name, value) for name, value in (metrics or {}).items() if not name.startswith(figures.PREFIX))
         result[job_id] = (values, newest_step)
     return result
 

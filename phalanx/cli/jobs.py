@@ -14,7 +14,7 @@ from rich.table import Table
 from phalanx.cli.live import follow
 from phalanx.cli.output import JsonOpt, api, console, fail, fmt_metrics, print_json
 from phalanx.client import SpecError
-from phalanx.schemas import JobDetail, JobState, JobView, QueuePlace
+from phalanx.schemas import Communication, JobDetail, JobState, JobView, QueuePlace
 
 app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
@@ -93,6 +93,34 @@ def describe_runtime_env(job: JobDetail) -> str:
     return f"{asked} -> {' '.join(pins)} (build log: `phalanx jobs logs {job.id}`, lines [setup])"
 
 
+def print_communication(comm: Communication) -> None:
+    """Where the ranks' step time goes, and what to try when communication dominates."""
+    console.print(
+        f"communication: step {comm.step_time_s * 1000:.1f} ms, {comm.comm_fraction:.0%} of it waiting for the "
+        f"all-reduce; {comm.bytes_per_step / 2**20:.2f} MiB per step per rank; slowest rank {comm.slowest_rank} "
+        f"({comm.straggler_ratio:.2f}x the median rank's own work)"
+    )
+    table = Table()
+    for column in ("rank", "step ms", "data", "compute", "exposed comm", "other", "MiB/step"):
+        table.add_column(column, justify="right")
+    for rank in comm.ranks:
+        table.add_row(
+            str(rank.rank),
+            f"{rank.step_time_s * 1000:.1f}",
+            *(
+                f"{part * 1000:.1f}"
+                for part in (rank.data_time_s, rank.compute_time_s, rank.comm_exposed_s, rank.other_s)
+            ),
+            f"{rank.bytes_per_step / 2**20:.2f}",
+        )
+    console.print(table)
+    if comm.comm_fraction > 0.3:
+        console.print(
+            "communication dominates: try larger buckets (ddp.bucket_cap_mb), compression (ddp.comm_hook: bf16 "
+            "or powersgd), gradient accumulation, or fewer nodes (README: Reading the communication figures)"
+        )
+
+
 @app.command("show")
 def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
     """A job's state, why it waits or failed, latest metrics, attempts and events."""
@@ -119,6 +147,8 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
         console.print(f"launcher: {job.spec.launcher} (the entrypoint once per slot, no torchrun)")
     if job.latest_metrics:
         console.print(f"step {job.latest_step}: {fmt_metrics(job.latest_metrics)}")
+    if job.communication is not None:
+        print_communication(job.communication)
     for allocation in job.allocations:
         nodes = ", ".join(
             f"node {n.node_rank}@{n.agent_name} {n.state.value}"

@@ -189,6 +189,9 @@ class DdpOptions(SpecModel):
     )
     gradient_as_bucket_view: bool = Field(False, description="Gradients as views into the buckets (less memory).")
     static_graph: bool = Field(False, description="The model uses the same parameters every step (DDP's static_graph).")
+    timing: bool = Field(
+        True, description="Report where each rank's step time goes (data, compute, exposed communication)."
+    )
 
 
 class JobSpec(SpecModel):

@@ -80,11 +80,42 @@ class JobView(WireModel):
     queue: QueuePlace | None = None  # QUEUED jobs only
 
 
+class RankCommunication(WireModel):
+    """Where one rank's steps went lately (per optimizer step, seconds; `ctx.prepare_model`'s
+    always-on figures, reported every few seconds)."""
+
+    rank: int
+    step: int  # the script's step when this rank last reported them
+    step_time_s: float
+    data_time_s: float  # waiting for batches from `ctx.prepare_data_loader`
+    compute_time_s: float  # forward + backward (DDP's sampled timing)
+    comm_exposed_s: float  # all-reduce time not hidden behind the backward pass
+    comm_time_s: float  # all-reduce time in all, hidden or not
+    other_s: float  # the rest: optimizer step, logging, the script's own work
+    bytes_per_step: float  # gradient bytes this rank all-reduced per step
+
+
+class Communication(WireModel):
+    """The job's communication at a glance, from its ranks' latest figures (the latest attempt)."""
+
+    step_time_s: float  # median over the ranks
+    comm_fraction: float  # exposed communication / step time (medians): 0 = hidden, 1 = all waiting
+    bytes_per_step: float  # gradient bytes each rank all-reduces per step
+    # The slowest rank's own work (step time less its exposed communication: the others wait for
+    # it in theirs) over the median rank's; 1.0 = balanced.
+    straggler_ratio: float
+    slowest_rank: int
+    ranks: list[RankCommunication]
+
+
 class JobDetail(JobView):
     events: list[JobEventView]
     allocations: list[AllocationView]
     # What `spec.runtime_env` resolved to (exact versions with hashes); None until a node resolved it.
     env_lock: str | None = None
+    # Per-rank step time split (data, compute, exposed communication) for DDP models prepared by
+    # `ctx.prepare_model`; None until the ranks first report it.
+    communication: Communication | None = None
 
 
 class AgentView(WireModel):

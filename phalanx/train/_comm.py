@@ -25,15 +25,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from phalanx.figures import COMM_BYTES, COMM_EXPOSED, COMM_TIME, COMPUTE_TIME, DATA_TIME, STEP_TIME
 from phalanx.train._data import data_wait
 
-PREFIX = "phalanx/"  # reserved: scripts may not report names under it
-STEP_TIME = PREFIX + "step_time_s"
-DATA_TIME = PREFIX + "data_time_s"
-COMPUTE_TIME = PREFIX + "compute_time_s"
-COMM_EXPOSED = PREFIX + "comm_exposed_s"
-COMM_TIME = PREFIX + "comm_time_s"
-COMM_BYTES = PREFIX + "comm_bytes_per_step"
 REPORT_PERIOD_S = 5.0  # one record per rank per period: a few points a minute, whatever the step rate
 READ_PERIOD_S = 0.5  # how often DDP's latest sample is read (each read builds a dict of ~30 entries)
 SAMPLE_RATE = 20  # DDP times one iteration in this many (its default, 100, leaves slow jobs unsampled)

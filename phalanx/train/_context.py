@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from phalanx.figures import PREFIX as RESERVED_METRIC_PREFIX
 from phalanx.train._checkpoint import STATE_FILE, Checkpoint, CheckpointWriter, load_rank_state, resume_point
-from phalanx.train._comm import PREFIX as RESERVED_METRIC_PREFIX
 from phalanx.train._comm import CommMonitor, PowerSGD, ddp_arguments, register_comm_hook
 from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
@@ -201,6 +201,7 @@ class Context:
         ddp = DistributedDataParallel(model, **arguments)
         if self._comm_monitor is not None:
             self._comm_monitor.close()  # a second model: the figures follow the latest
+            self._comm_monitor = None
         self.comm_state = register_comm_hook(ddp, self.ddp_options)
         if self.comm_state is not None:
             if self.latest_checkpoint is not None:
@@ -208,8 +209,9 @@ class Context:
                 if saved is not None:
                     self.comm_state.load_state_dict(saved)
             self._checkpoints.rank_state = self._comm_state_to_save
-        powersgd = None if self.comm_state is None else self.comm_state.state
-        self._comm_monitor = CommMonitor(ddp, self._report_reserved, self.ddp_options["comm_hook"], powersgd)
+        if self.ddp_options.get("timing", True):
+            powersgd = None if self.comm_state is None else self.comm_state.state
+            self._comm_monitor = CommMonitor(ddp, self._report_reserved, self.ddp_options["comm_hook"], powersgd)
         return ddp
 
     def _comm_state_to_save(self) -> Any:

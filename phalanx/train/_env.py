@@ -19,6 +19,7 @@ DDP_DEFAULTS: dict[str, Any] = {
     "bucket_cap_mb": None,
     "gradient_as_bucket_view": False,
     "static_graph": False,
+    "timing": True,
 }
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DEFAULT_PG_TIMEOUT_S = 120.0
@@ -147,7 +148,7 @@ def _ddp_options(raw: str) -> dict[str, Any]:
     cap = options["bucket_cap_mb"]
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or cap <= 0):
         raise ValueError(f"PHALANX_DDP: bucket_cap_mb={cap!r} must be a positive number of MiB")
-    for name in ("gradient_as_bucket_view", "static_graph"):
+    for name in ("gradient_as_bucket_view", "static_graph", "timing"):
         if not isinstance(options[name], bool):
             raise ValueError(f"PHALANX_DDP: {name}={options[name]!r} must be true or false")
     return options
