@@ -86,7 +86,7 @@ def parse_training_output(text: str, launched: float, what: str) -> TrainingRun:
     return TrainingRun(launched, float(first.group(1)), float(rate.group(1)))
 
 
-def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 1) -> TrainingRun:
+def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 1, **env_extra: str) -> TrainingRun:
     """The digits example under two plain torchrun nodes (1 rank each, static rendezvous on loopback).
 
     The same topology Phalanx runs on two agents with one CPU slot each, OMP_NUM_THREADS=1 as the
@@ -95,7 +95,7 @@ def plain_torchrun(epochs: int, timeout: float = 600.0, checkpoint_every: int = 
     _, workdir = digits_spec(epochs)
     launched = time.time()
     args = ["train.py", f"--epochs={epochs}", f"--checkpoint-every={checkpoint_every}"]
-    text = plain_torchrun_nodes(workdir, args, timeout)
+    text = plain_torchrun_nodes(workdir, args, timeout, **env_extra)
     return parse_training_output(text, launched, "plain torchrun")
 
 
