@@ -242,3 +242,39 @@ def test_the_study_pages_list_sort_mark_the_best_and_stop(client: TestClient, se
     assert client.get(f"/api/v1/studies/{study['id']}", headers=USER).json()["state"] == "STOPPED"
     assert 'action="/studies/1/resume"' in client.get(f"/studies/{study['id']}").text
     assert client.get("/studies/99").status_code == 404
+
+
+def test_the_job_page_splits_each_ranks_step_and_names_the_slowest(client: TestClient, settings: Settings) -> None:
+    from tests.agent_tokens import as_rank
+
+    job_id = submit(client, resources={"nodes": 1, "slots_per_node": 2})
+    schedule(settings)
+    (allocation,) = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"]
+
+    def figures(rank: int, step: int, exposed: float) -> dict[str, Any]:
+        values = {
+            "phalanx/step_time_s": 0.1,
+            "phalanx/data_time_s": 0.01,
+            "phalanx/compute_time_s": 0.05,
+            "phalanx/comm_exposed_s": exposed,
+            "phalanx/comm_time_s": 0.04,
+            "phalanx/comm_bytes_per_step": 4_000_000.0,
+        }
+        return {"rank": rank, "step": step, "time": 0.0, "values": values}
+
+    # rank 1 waits 30 ms in the all-reduce for rank 0, which waits 5: rank 0 is the straggler;
+    # each rank's older report (step 10) is superseded by its newer one
+    records = [figures(0, 10, 0.09), figures(1, 10, 0.09), figures(0, 20, 0.005), figures(1, 20, 0.03)]
+    url = f"/api/v1/allocations/{allocation['id']}/metrics"
+    assert client.post(url, json={"records": records}, headers=as_rank(client, allocation["id"])).status_code == 204
+    comm = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["communication"]
+    assert comm["slowest_rank"] == 0 and comm["bytes_per_step"] == 4_000_000.0
+    assert comm["straggler_ratio"] == pytest.approx(0.095 / ((0.095 + 0.07) / 2))
+    assert comm["comm_fraction"] == pytest.approx(((0.005 + 0.03) / 2) / 0.1)
+    assert [r["step"] for r in comm["ranks"]] == [20, 20]
+    assert comm["ranks"][1]["other_s"] == pytest.approx(0.1 - 0.01 - 0.05 - 0.03)
+    assert "phalanx/step_time_s" not in client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["latest_metrics"]
+    sign_in(client)
+    page = client.get(f"/jobs/{job_id}").text
+    assert "Slowest rank: <strong>0</strong>" in page and 'class="slowest"' in page
+    assert "3.81 MiB all-reduced per step" in page
