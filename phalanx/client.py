@@ -38,6 +38,7 @@ from phalanx.schemas import (
     MetricPoint,
     ParamImportances,
     QueueView,
+    ScalingPoint,
     Study,
     StudyBest,
     StudyDetail,
@@ -237,6 +238,15 @@ class Client:
             timeout,
             lambda job: f"job {job_id} is still {job.state.value}",
         )
+
+    def scaling(
+        self, spec: JobSpec, workdir: Path | None, nodes: list[int], steps: int = 100, warmup: int = 10
+    ) -> list[ScalingPoint]:
+        """Run `spec` at each size in `nodes` for `warmup + steps` steps: throughput, scaling
+        efficiency and communication share per size (see `phalanx.scaling`)."""
+        from phalanx.scaling import scaling
+
+        return scaling(self, spec, workdir, nodes, steps=steps, warmup=warmup)
 
     def pause_job(self, job_id: int) -> JobView:
         return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)

@@ -170,6 +170,58 @@ def jobs_show(job_id: int, as_json: JsonOpt = False) -> None:
     console.print(table)
 
 
+@app.command("scaling")
+def jobs_scaling(
+    file: Annotated[Path, typer.Argument(help="A job file (YAML) whose script reports a metric every step.")],
+    nodes: Annotated[str, typer.Option(help="The sizes to run, in nodes: 1,2,4.")] = "1,2",
+    steps: Annotated[int, typer.Option(help="Steps measured at each size, after the warm-up.")] = 100,
+    warmup: Annotated[int, typer.Option(help="Steps left out of the rate at the start of each run.")] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a job at several sizes for a bounded number of steps each: throughput, scaling
+    efficiency and the communication share at each size."""
+    from phalanx.client import load_job_file
+    from phalanx.scaling import ScalingError, scaling
+
+    try:
+        sizes = [int(part) for part in nodes.split(",") if part.strip()]
+        spec, workdir = load_job_file(file)
+    except ValueError as exc:
+        fail(f"--nodes {nodes!r}: give sizes such as 1,2,4 ({exc})", 2)
+    except SpecError as exc:
+        fail(str(exc), 2)
+    with api() as client:
+        try:
+            points = scaling(
+                client, spec, workdir, sizes, steps=steps, warmup=warmup, progress=None if as_json else console.print
+            )
+        except (ScalingError, ValueError) as exc:
+            fail(str(exc), 1)
+    if as_json:
+        print_json(points)
+        return
+    table = Table(title=f"scaling of {spec.name}: {steps} steps after {warmup} of warm-up at each size")
+    for column in ("nodes", "ranks", "steps/s", "throughput", "efficiency", "", "comm share", "MiB/step", "job"):
+        table.add_column(column, justify="right" if column else "left")
+    for point in points:
+        bar = "#" * round(20 * min(point.efficiency, 1.5))
+        table.add_row(
+            str(point.nodes),
+            str(point.world_size),
+            f"{point.steps_per_second:.2f}",
+            f"{point.throughput:.2f}",
+            f"{point.efficiency:.0%}",
+            bar,
+            "-" if point.comm_fraction is None else f"{point.comm_fraction:.0%}",
+            "-" if point.bytes_per_step is None else f"{point.bytes_per_step / 2**20:.2f}",
+            str(point.job_id),
+        )
+    console.print(table)
+    console.print(
+        "throughput: steps/s x ranks (per-rank batches a second); efficiency: against linear from the smallest size"
+    )
+
+
 @app.command("logs")
 def jobs_logs(
     job_id: int,

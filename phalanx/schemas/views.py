@@ -108,6 +108,19 @@ class Communication(WireModel):
     ranks: list[RankCommunication]
 
 
+class ScalingPoint(WireModel):
+    """One size of a scaling run (`phalanx jobs scaling`)."""
+
+    nodes: int
+    world_size: int
+    job_id: int
+    steps_per_second: float  # rank 0's, after the warm-up steps
+    throughput: float  # steps/s x world size: per-rank batches a second
+    efficiency: float  # throughput / (the smallest size's, scaled by the node count): 1.0 is linear
+    comm_fraction: float | None  # the job's exposed communication / step time (None: no figures)
+    bytes_per_step: float | None
+
+
 class JobDetail(JobView):
     events: list[JobEventView]
     allocations: list[AllocationView]

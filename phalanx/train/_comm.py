@@ -29,6 +29,7 @@ from phalanx.figures import COMM_BYTES, COMM_EXPOSED, COMM_TIME, COMPUTE_TIME, D
 from phalanx.train._data import data_wait
 
 REPORT_PERIOD_S = 5.0  # one record per rank per period: a few points a minute, whatever the step rate
+FIRST_REPORT_S = 2.0  # the first comes sooner: the job page shows figures seconds after the start
 READ_PERIOD_S = 0.5  # how often DDP's latest sample is read (each read builds a dict of ~30 entries)
 SAMPLE_RATE = 20  # DDP times one iteration in this many (its default, 100, leaves slow jobs unsampled)
 NS = 1e-9
@@ -217,6 +218,7 @@ class CommMonitor:
             model._set_ddp_runtime_logging_sample_rate(SAMPLE_RATE)  # type: ignore[no-untyped-call]
         self._forwards = 0
         self._steps = 0
+        self._reported = False
         self._window_start = clock()
         self._last_read = self._window_start
         self._data_wait_start = data_wait.seconds
@@ -238,7 +240,8 @@ class CommMonitor:
         if now - self._last_read >= READ_PERIOD_S:
             self._last_read = now
             self._read_sample()
-            if now - self._window_start >= REPORT_PERIOD_S:
+            period = REPORT_PERIOD_S if self._reported else min(FIRST_REPORT_S, REPORT_PERIOD_S)
+            if now - self._window_start >= period:
                 self._emit(now)
 
     def _read_sample(self) -> None:
@@ -275,6 +278,7 @@ class CommMonitor:
             }
         )
         self._window_start, self._steps, self._forwards = now, 0, 0
+        self._reported = True
         self._data_wait_start = data_wait.seconds
         self._samples = []
         self._powersgd_mark = self._powersgd_counts()

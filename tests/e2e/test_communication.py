@@ -4,18 +4,19 @@ goes, and the job's `communication` shows it: the bytes each rank all-reduces (4
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
-from phalanx.schemas import JobSpec, JobState
-from tests.processes import Stack, wait_for
+from phalanx.schemas import JobSpec, JobState, ScalingPoint
+from tests.processes import Stack, cli, wait_for
 
 pytestmark = pytest.mark.e2e
 
 WIDE_MLP = """
-import time
 import torch
 from torch import nn
 import phalanx.train as pt
@@ -31,9 +32,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(ctx.rank)
 x = torch.randn(256, 512, generator=g)
 y = (x[:, :10].argmax(dim=1))  # a learnable target
-deadline = time.monotonic() + 4.0
-step = 0
-while time.monotonic() < deadline:
+steps = 400  # the same count on every rank: each step's all-reduce needs them all (~4 s)
+for step in range(steps):
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
@@ -41,7 +41,6 @@ while time.monotonic() < deadline:
     if step == 0:
         print(f"first loss {loss.item():.4f}", flush=True)
     ctx.report({"loss": loss}, step=step)
-    step += 1
 print(f"last loss {loss.item():.4f}", flush=True)
 ctx.finish()
 """
@@ -71,7 +70,9 @@ def test_a_two_node_job_shows_where_its_step_time_goes(
         wait_for(lambda: client.get_job(final.id).communication is not None, 10, "the figures to arrive")
         comm = client.get_job(final.id).communication
         lines = [record.line for record in client.logs(final.id, rank=0)]
+    shown = cli(stack, "jobs", "show", str(final.id)).stdout
     assert comm is not None
+    assert f"slowest rank {comm.slowest_rank}" in shown and "exposed comm" in shown
     params = next(int(line.split()[1]) for line in lines if line.startswith("parameters"))
     first = next(float(line.split()[2]) for line in lines if line.startswith("first loss"))
     last = next(float(line.split()[2]) for line in lines if line.startswith("last loss"))
@@ -84,3 +85,24 @@ def test_a_two_node_job_shows_where_its_step_time_goes(
         assert 0 < rank.compute_time_s < rank.step_time_s
         assert 0 < rank.comm_exposed_s <= rank.comm_time_s
     assert last < first, "the run learns, compressed or not"
+
+
+ENDLESS = WIDE_MLP.replace("steps = 400", "steps = 1_000_000")
+
+
+def test_scaling_runs_the_job_at_each_size_for_a_bounded_number_of_steps(stack: Stack, tmp_path: Path) -> None:
+    spec, workdir = wide_job(tmp_path, "none")
+    (workdir / "train.py").write_text(textwrap.dedent(ENDLESS))  # runs until the measurement kills it
+    job_file = workdir / "job.yaml"
+    job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True)))
+    done = cli(stack, "jobs", "scaling", str(job_file), "--nodes", "2,1", "--steps", "150", "--warmup", "5", "--json")
+    points = [ScalingPoint.model_validate(p) for p in json.loads(done.stdout)]
+    with stack.client() as client:
+        states = {p.nodes: client.get_job(p.job_id).state for p in points}
+    assert [p.nodes for p in points] == [1, 2] and [p.world_size for p in points] == [1, 2]
+    assert states == {1: JobState.CANCELLED, 2: JobState.CANCELLED}, "each size ran only its bounded steps"
+    one, two = points
+    assert one.efficiency == 1.0 and one.comm_fraction is None, "one rank: no all-reduce, no figures"
+    assert two.steps_per_second > 0 and two.throughput == pytest.approx(2 * two.steps_per_second)
+    assert two.efficiency == pytest.approx(two.throughput / (2 * one.throughput))
+    assert two.comm_fraction is not None and 0 < two.comm_fraction < 1
