@@ -76,22 +76,13 @@ def read_env(env: Mapping[str, str] | None = None) -> RuntimeEnv:
         raise ValueError(f"RANK={rank} is outside 0..{world_size - 1}")
     local_rank = _required_int(env, "LOCAL_RANK", 0)
 
-    raw_hparams = env.get("PHALANX_HPARAMS", "").strip()
-    hparams: dict[str, Any] = {}
-    if raw_hparams:
-        try:
-            parsed = json.loads(raw_hparams)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"PHALANX_HPARAMS is not valid JSON: {exc}") from None
-        if not isinstance(parsed, dict):
-            raise ValueError('PHALANX_HPARAMS must be a JSON object such as {"lr": 0.05}')
-        hparams = parsed
+    hparams = _json_object(env, "PHALANX_HPARAMS", '{"lr": 0.05}') or {}
 
     precision = env.get("PHALANX_PRECISION", "").strip() or "32"
     if precision not in PRECISIONS:
         raise ValueError(f"PHALANX_PRECISION={precision!r} is not one of {', '.join(PRECISIONS)}")
 
-    ddp = _ddp_options(env.get("PHALANX_DDP", "").strip())
+    ddp = _ddp_options(_json_object(env, "PHALANX_DDP", '{"comm_hook": "bf16"}'))
 
     raw_timeout = env.get("PHALANX_PG_TIMEOUT", "").strip()
     pg_timeout_s = DEFAULT_PG_TIMEOUT_S
@@ -124,18 +115,26 @@ def read_env(env: Mapping[str, str] | None = None) -> RuntimeEnv:
     )
 
 
-def _ddp_options(raw: str) -> dict[str, Any]:
-    """PHALANX_DDP (the job's `ddp` options as JSON) over the defaults; set by hand outside
-    Phalanx, it is checked here as the job schema would."""
-    options = dict(DDP_DEFAULTS)
+def _json_object(env: Mapping[str, str], name: str, example: str) -> dict[str, Any] | None:
+    """The JSON object in variable `name`; None when it is unset or empty."""
+    raw = env.get(name, "").strip()
     if not raw:
-        return options
+        return None
     try:
-        given = json.loads(raw)
+        parsed = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"PHALANX_DDP is not valid JSON: {exc}") from None
-    if not isinstance(given, dict):
-        raise ValueError('PHALANX_DDP must be a JSON object such as {"comm_hook": "bf16"}')
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object such as {example}")
+    return parsed
+
+
+def _ddp_options(given: dict[str, Any] | None) -> dict[str, Any]:
+    """PHALANX_DDP (the job's `ddp` options) over the defaults; set by hand outside Phalanx, it
+    is checked here as the job schema would."""
+    options = dict(DDP_DEFAULTS)
+    if given is None:
+        return options
     unknown = sorted(set(given) - set(DDP_DEFAULTS))
     if unknown:
         raise ValueError(f"PHALANX_DDP: unknown option(s) {', '.join(unknown)}; known: {', '.join(DDP_DEFAULTS)}")
