@@ -18,12 +18,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-from phalanx.client import Client
-from phalanx.schemas import JobSpec, ScalingPoint
+from phalanx.schemas import JobDetail, JobSpec, JobView, MetricPoint, ScalingPoint
 
 POLL_S = 0.5
 FIGURES_WAIT_S = 8.0  # the ranks report their communication figures 2 s in, then every 5 s
+
+
+class Client(Protocol):
+    """What a scaling run needs of `phalanx.Client` (which offers it as `Client.scaling`)."""
+
+    def submit(self, spec: JobSpec, workdir: Path | None = None) -> JobView: ...
+    def get_job(self, job_id: int) -> JobDetail: ...
+    def kill_job(self, job_id: int) -> JobView: ...
+    def metrics(
+        self, job_id: int, name: str | None = None, limit: int = 100_000, all_attempts: bool = False, after: int = 0
+    ) -> list[MetricPoint]: ...
 
 
 class ScalingError(RuntimeError):
