@@ -37,6 +37,7 @@ from phalanx.schemas import (
     LogRecord,
     MetricPoint,
     ParamImportances,
+    ProfileView,
     QueueView,
     ScalingPoint,
     Study,
@@ -247,6 +248,57 @@ class Client:
         from phalanx.scaling import scaling
 
         return scaling(self, spec, workdir, nodes, steps=steps, warmup=warmup)
+
+    # --- profiles -------------------------------------------------------------------------------
+
+    def request_profile(self, job_id: int, steps: int = 20) -> ProfileView:
+        """Ask every rank of the running job to record torch.profiler traces of its next `steps`
+        optimizer steps (409 unless it runs, or while another profile of it records)."""
+        response = self._request("POST", f"/jobs/{job_id}/profiles", json={"steps": steps})
+        return ProfileView.model_validate_json(response.content)
+
+    def profiles(self, job_id: int) -> list[ProfileView]:
+        return self._list(ProfileView, f"/jobs/{job_id}/profiles")
+
+    def get_profile(self, job_id: int, profile_id: int) -> ProfileView:
+        return self._get(ProfileView, f"/jobs/{job_id}/profiles/{profile_id}")
+
+    def wait_profile(
+        self,
+        job_id: int,
+        profile_id: int,
+        timeout: float | None = None,
+        progress: Callable[[ProfileView], None] | None = None,
+    ) -> ProfileView:
+        """Block until every rank has answered or the profile stopped recording (long-polls the
+        server, which answers as each rank's trace arrives); TimeoutError after `timeout` s."""
+
+        def change(view: ProfileView, wait: float) -> ProfileView:
+            params = {"answered": len(view.ranks), "wait": min(wait, 20.0)}
+            changed = self._get(ProfileView, f"/jobs/{job_id}/profiles/{profile_id}", params=params, timeout=wait + 15)
+            if progress is not None and len(changed.ranks) != len(view.ranks):
+                progress(changed)
+            return changed
+
+        return _long_poll(
+            self.get_profile(job_id, profile_id),
+            lambda view: view.state != "recording",
+            change,
+            timeout,
+            lambda view: f"profile {profile_id} of job {job_id} has {len(view.ranks)} of {view.world_size} traces",
+        )
+
+    def delete_profile(self, job_id: int, profile_id: int) -> None:
+        self._request("DELETE", f"/jobs/{job_id}/profiles/{profile_id}")
+
+    def download_trace(self, job_id: int, profile_id: int, rank: int, dest: str | Path) -> Path:
+        """Write one rank's gzipped Chrome trace into the folder `dest` (Perfetto opens it)."""
+        folder = Path(dest)
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / f"job-{job_id}-profile-{profile_id}-rank-{rank}.json.gz"
+        response = self._request("GET", f"/jobs/{job_id}/profiles/{profile_id}/ranks/{rank}/trace")
+        target.write_bytes(response.content)
+        return target
 
     def pause_job(self, job_id: int) -> JobView:
         return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/pause").content)

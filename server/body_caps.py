@@ -47,6 +47,7 @@ def caps_for(settings: Settings) -> Callable[[str, str], int]:
         (re.compile(r"^/submit$"), upload),
         (re.compile(r"^/api/v1/allocations/[^/]+/metrics$"), settings.max_metric_batch_bytes),
         (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/logs$"), settings.max_log_batch_bytes),
+        (re.compile(r"^/api/v1/allocations/[^/]+/profiles/[^/]+/ranks/[^/]+$"), settings.max_profile_trace_bytes),
         # a lock as JSON: its newlines escaped, so twice its longest text is ample
         (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/environment$"), 2 * MAX_LOCK_CHARS),
     ]

@@ -1,8 +1,8 @@
 """The use cases a person starts, written once for the REST API and the dashboard: submit, kill,
-pause and resume a job; submit, stop and resume a study; drain an agent; find a checkpoint to
-download; mint and revoke API tokens; create teams, manage their members, set their shares;
-hold and release a job or a team's queue. Routes and pages
-only parse the request, call one of these, and render the answer.
+pause and resume a job; ask a running job for a profile, or delete one; submit, stop and resume a
+study; drain an agent; find a checkpoint to download; mint and revoke API tokens; create teams,
+manage their members, set their shares; hold and release a job or a team's queue. Routes and
+pages only parse the request, call one of these, and render the answer.
 
 Each function owns its transaction: it asks `server.access` whether the principal may do it
 (404 for what they cannot see), applies the domain rules (`server.jobs`, `server.studies`,
@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, agents, auth, checkpoints, jobs, studies, teams, views
+from server import access, agents, auth, checkpoints, jobs, profiles, studies, teams, views
 from server.auth import Principal
 from server.bundles import store_bundle
 from server.errors import Conflict, NotFound
@@ -74,6 +74,27 @@ def pause_job(session: Session, principal: Principal, job_id: int) -> schemas.Jo
 def resume_job(session: Session, principal: Principal, job_id: int) -> schemas.JobView:
     """QUEUED again, to resume from its newest checkpoint (409 unless it is PAUSED)."""
     return _change_job(session, principal, job_id, jobs.resume_job)
+
+
+def request_profile(
+    session: Session, settings: Settings, principal: Principal, job_id: int, body: schemas.ProfileRequest
+) -> schemas.ProfileView:
+    """Ask the job's running attempt to record `body.steps` steps on every rank (409 unless it
+    runs, or while another profile of it records); the oldest profiles beyond a job's few go."""
+    with session.begin():
+        job = access.job_to_change(session, principal, job_id)
+        profile, dropped = profiles.request_profile(session, job, body.steps, principal.user_id)
+        view = profiles.view(session, profile)
+    profiles.remove_files(settings, job_id, dropped)
+    return view
+
+
+def delete_profile(session: Session, settings: Settings, principal: Principal, job_id: int, profile_id: int) -> None:
+    """Drop the profile and its traces (a pending request is withdrawn)."""
+    with session.begin():
+        access.job_to_change(session, principal, job_id)
+        profiles.delete_profile(session, profiles.get_profile(session, job_id, profile_id))
+    profiles.remove_files(settings, job_id, [profile_id])
 
 
 def committed_checkpoint_path(session: Session, principal: Principal, job_id: int, step: int) -> str:

@@ -217,6 +217,9 @@ class Allocation(Base):
     # reaches nothing else. Never returned by a user-facing view.
     credential: Mapped[str | None] = mapped_column(String(64))
     last_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # The profile (`Profile.id`) its ranks are asked to record, until every rank has sent its trace
+    # or it is deleted: read with each metric batch, so the request reaches the ranks in their answer.
+    profile_request: Mapped[int | None] = mapped_column(Integer)
     # The newest value of each metric name any rank reported, and the newest step: kept up to date
     # by the metrics route so that showing or listing jobs never scans the metrics table.
     # (JSONB on PostgreSQL: plain json has no equality, and allocations are selected DISTINCT)
@@ -314,6 +317,40 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     path: Mapped[str] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16))  # COMMITTED | DELETING
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+
+class Profile(Base):
+    """An on-demand torch.profiler recording of `steps` optimizer steps on every rank of one
+    attempt (`phalanx jobs profile`). Its traces arrive one per rank (`ProfileTrace`)."""
+
+    __tablename__ = "profiles"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"))
+    steps: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    requested_by: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="SET NULL"))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+
+    traces: Mapped[list[ProfileTrace]] = relationship(
+        order_by="ProfileTrace.rank", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class ProfileTrace(Base):
+    """One rank's part of a profile: its gzipped Chrome trace under the data dir and the server's
+    summary of it, or why the rank could not record one."""
+
+    __tablename__ = "profile_traces"
+
+    profile_id: Mapped[int] = mapped_column(ForeignKey("profiles.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str | None] = mapped_column(Text)  # relative to the data dir
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
 
 

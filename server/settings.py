@@ -29,6 +29,8 @@ class Settings(BaseSettings):
     max_bundle_unpacked_bytes: int = Field(DEFAULT_MAX_UNPACKED_BYTES, ge=1)
     max_metric_batch_bytes: int = 32 * 1024 * 1024
     max_log_batch_bytes: int = 8 * 1024 * 1024
+    # One rank's gzipped profile trace (`phalanx jobs profile`); it may unpack to 16 times as much.
+    max_profile_trace_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
     # on every other long-poll's wait).
     work_poll_seconds: float = Field(20.0, gt=0, le=300)

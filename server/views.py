@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import instance_state
 
 from phalanx import figures, schemas
+from server import profiles
 from server.auth import Principal
 from server.models import (
     Agent,
@@ -167,6 +168,7 @@ def job_detail(session: Session, row: Job) -> schemas.JobDetail:
         allocations=[allocation(a) for a in row.allocations],
         env_lock=row.env_lock,
         communication=communication(session, row),
+        profiles=profiles.job_profiles(session, row.id),
     )
 
 

@@ -1,4 +1,4 @@
-"""Jobs: `submit`, `jobs list|show|logs|kill|pause|resume`, and a job's `checkpoints`
+"""Jobs: `submit`, `jobs list|show|scaling|profile|logs|kill|pause|resume`, and a job's `checkpoints`
 (`jobs hold|release` are in `phalanx.cli.sharing`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rich.table import Table
 from phalanx.cli.live import follow
 from phalanx.cli.output import JsonOpt, api, console, fail, fmt_metrics, print_json
 from phalanx.client import SpecError
-from phalanx.schemas import Communication, JobDetail, JobState, JobView, QueuePlace
+from phalanx.schemas import Communication, JobDetail, JobState, JobView, ProfileView, QueuePlace
 
 app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
@@ -220,6 +220,99 @@ def jobs_scaling(
     console.print(
         "throughput: steps/s x ranks (per-rank batches a second); efficiency: against linear from the smallest size"
     )
+
+
+def print_profile(profile: ProfileView) -> None:
+    """A profile's state and each rank's breakdown (per step, ms)."""
+    console.print(
+        f"profile {profile.id} of job {profile.job_id}: {profile.steps} steps on {profile.world_size} ranks "
+        f"(attempt {profile.attempt}), [bold]{profile.state}[/], {len(profile.ranks)} of {profile.world_size} "
+        "ranks answered"
+    )
+    if profile.step_time_s is not None and profile.comm_fraction is not None:
+        console.print(
+            f"median step {profile.step_time_s * 1000:.1f} ms, {profile.comm_fraction:.0%} of it waiting for "
+            f"communication; slowest rank {profile.slowest_rank}"
+        )
+    table = Table()
+    for column in ("rank", "device", "steps", "step ms", "compute", "comm", "overlap", "exposed comm", "idle", "trace"):
+        table.add_column(column, justify="right")
+    for rank in profile.ranks:
+        s = rank.summary
+        if s is None:
+            table.add_row(str(rank.rank), *[""] * 8, f"none: {rank.error}")
+            continue
+        parts = (s.step_time_s, s.compute_s, s.comm_s, s.overlap_s, s.exposed_comm_s, s.idle_s)
+        table.add_row(
+            str(rank.rank),
+            s.device,
+            str(s.steps),
+            *(f"{part * 1000:.1f}" for part in parts),
+            f"{rank.size_bytes / 1024:.0f} KiB",
+        )
+    console.print(table)
+
+
+@app.command("profile")
+def jobs_profile(
+    job_id: int,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to record on every rank (1-200).")] = 20,
+    show: Annotated[
+        int | None, typer.Option("--show", help="Show profile N of the job (and wait for it) instead of a new one.")
+    ] = None,
+    download: Annotated[
+        Path | None, typer.Option(help="Write every rank's trace (.json.gz: Perfetto opens it) into this folder.")
+    ] = None,
+    delete: Annotated[int | None, typer.Option("--delete", help="Delete profile N of the job and its traces.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the ranks' traces.")] = 600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Record torch.profiler traces of the next STEPS steps on every rank of a running job, wait
+    for them, and show where each rank's steps went (compute, communication, overlap, idle)."""
+    with api() as client:
+        if delete is not None:
+            client.delete_profile(job_id, delete)
+            if as_json:
+                print_json({"deleted": delete})
+            else:
+                console.print(f"profile {delete} of job {job_id} deleted")
+            return
+        if show is None:
+            profile = client.request_profile(job_id, steps)
+            if not as_json:
+                console.print(
+                    f"profile {profile.id}: each rank records its next {steps} steps once it hears of it (with its "
+                    "next metric batch, every few seconds for models prepared with ctx.prepare_model)"
+                )
+        else:
+            profile = client.get_profile(job_id, show)
+
+        def progress(view: ProfileView) -> None:
+            if not as_json:
+                console.print(f"{len(view.ranks)} of {view.world_size} ranks answered")
+
+        try:
+            profile = client.wait_profile(job_id, profile.id, timeout=timeout, progress=progress)
+        except TimeoutError as exc:
+            fail(f"{exc}; see it later with `phalanx jobs profile {job_id} --show {profile.id}`", 1)
+        files = []
+        if download is not None:
+            files = [
+                client.download_trace(job_id, profile.id, rank.rank, download)
+                for rank in profile.ranks
+                if rank.summary is not None
+            ]
+    if as_json:
+        print_json(profile)
+        return
+    print_profile(profile)
+    for path in files:
+        console.print(f"wrote {path}")
+    if profile.ranks and download is None:
+        console.print(
+            f"the traces open in Perfetto (ui.perfetto.dev) or chrome://tracing: "
+            f"`phalanx jobs profile {job_id} --show {profile.id} --download DIR`"
+        )
 
 
 @app.command("logs")

@@ -167,6 +167,24 @@ class MetricBatchIn(StrictModel):
     batch_id: BatchId | None = None  # a rank sends "<its stream>-<first record's number>"
 
 
+class ProfileOrder(WireModel):
+    """In the answer to a metric batch while the attempt's ranks are asked to record a profile."""
+
+    id: int
+    steps: int
+
+
+class MetricBatchAnswer(WireModel):
+    profile: ProfileOrder | None = None
+
+
+class ProfileFailure(StrictModel):
+    """A rank that could not record or send its trace says why (the profiler was busy, the trace
+    was over the cap)."""
+
+    message: Annotated[str, Field(min_length=1, max_length=4000)]
+
+
 class CheckpointCommit(StrictModel):
     """Sent by rank 0 after the checkpoint's files were renamed into place."""
 

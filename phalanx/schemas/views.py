@@ -108,6 +108,62 @@ class Communication(WireModel):
     ranks: list[RankCommunication]
 
 
+MAX_PROFILE_STEPS = 200  # a trace of more steps is rarely read, and only costs the job and the server
+
+
+class ProfileRequest(StrictModel):
+    """`POST /jobs/{id}/profiles`: record the next `steps` optimizer steps on every rank."""
+
+    steps: Annotated[int, Field(ge=1, le=MAX_PROFILE_STEPS)] = 20
+
+
+class TraceSummary(WireModel):
+    """Where one rank's recorded steps went, per step (seconds), from its trace. On a GPU the
+    device's kernels count (NCCL kernels as communication, the rest as compute); on a CPU the
+    training thread's operators count as compute and the collectives (gloo's own threads
+    included) as communication. Compute and communication may overlap; idle is neither."""
+
+    device: Literal["cuda", "cpu"]
+    steps: int
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    overlap_s: float  # communication while compute ran: hidden
+    exposed_comm_s: float  # communication alone: the step waited for it
+    idle_s: float  # neither: data loading, the host, waiting for a slower peer
+
+
+class RankProfile(WireModel):
+    rank: int
+    size_bytes: int  # the gzipped trace
+    summary: TraceSummary | None = None
+    error: str | None = None  # why this rank sent no trace
+
+
+ProfileState = Literal["recording", "complete", "incomplete"]
+
+
+class ProfileView(WireModel):
+    """An on-demand profile (`phalanx jobs profile`). `recording` until every rank has sent its
+    trace; `incomplete` when the attempt ended (or the profile was replaced) before they all did."""
+
+    id: int
+    job_id: int
+    allocation_id: int
+    attempt: int
+    steps: int
+    world_size: int
+    state: ProfileState
+    requested_by: str | None
+    created_at: datetime
+    ranks: list[RankProfile]  # the ranks that answered so far, by rank
+    # Over the ranks' summaries: the median step, exposed communication / step, and the rank
+    # whose step took longest (None until a summary arrived).
+    step_time_s: float | None = None
+    comm_fraction: float | None = None
+    slowest_rank: int | None = None
+
+
 class ScalingPoint(WireModel):
     """One size of a scaling run (`phalanx jobs scaling`)."""
 
@@ -129,6 +185,7 @@ class JobDetail(JobView):
     # Per-rank step time split (data, compute, exposed communication) for DDP models prepared by
     # `ctx.prepare_model`; None until the ranks first report it.
     communication: Communication | None = None
+    profiles: list[ProfileView] = Field(default_factory=list)  # newest first
 
 
 class AgentView(WireModel):

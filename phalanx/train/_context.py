@@ -26,6 +26,7 @@ from phalanx.train._comm import CommMonitor, PowerSGD, ddp_arguments, register_c
 from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
+from phalanx.train._profile import OnDemandProfiler
 
 DEFAULT_FINISH_TIMEOUT_S = 10.0
 # should_stop() shares the ranks' stop flags about this often (a round costs a small all_reduce,
@@ -90,11 +91,17 @@ class Context:
 
         sink: MetricSink | None = None
         committer: Callable[[dict[str, Any]], bool] | None = None
+        # `phalanx jobs profile`: the server's requests arrive in the answers to metric batches
+        self._profiler: OnDemandProfiler | None = None
         if env.managed:
-            from phalanx.train._http import HttpMetricSink, http_committer  # the HTTP stack only with a server
+            # the HTTP stack only with a server
+            from phalanx.train._http import HttpMetricSink, http_committer, http_profile_sender
 
             assert env.url is not None and env.allocation_id is not None  # read_env checked
-            sink = HttpMetricSink(env.url, env.allocation_id, env.token)
+            self._profiler = OnDemandProfiler(
+                http_profile_sender(env.url, env.allocation_id, env.token, self.rank), self.device.type
+            )
+            sink = HttpMetricSink(env.url, env.allocation_id, env.token, on_profile=self._profiler.ask)
             committer = http_committer(env.url, env.allocation_id, env.token)
         self._pipeline = MetricPipeline(self.rank, sink)
         self._checkpoint_superseded = False
@@ -431,6 +438,9 @@ class Context:
         if self._comm_monitor is not None:
             self._comm_monitor.close()
             self._comm_monitor = None
+        if self._profiler is not None:
+            self._profiler.close(timeout)
+            self._profiler = None
         # The last checkpoint (often the one written because should_stop() said so) must commit.
         self._checkpoints.flush(timeout)
         self._checkpoints.close(1.0)

@@ -9,47 +9,62 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import access, attempts, checkpoints, views
-from server.api.deps import ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep
+from server import access, attempts, checkpoints, profiles, views
+from server.api.deps import RankNumber, ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep
 from server.api.uploads import invalid_batch
-from server.errors import Conflict, NotFound
+from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import batch_identity, first_delivery, insert_metrics, record_progress
-from server.models import Allocation, MetricBatch, TuningStudy, TuningTrial
+from server.models import Allocation, MetricBatch, Profile, ProfileTrace, TuningStudy, TuningTrial
 from server.task_names import ADVANCE_STUDY_TASK
 from server.wakeups import note_job_data, note_task
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
 
 
-@router.post("/{allocation_id}/metrics", status_code=204)
+@router.post(
+    "/{allocation_id}/metrics",
+    status_code=204,
+    responses={200: {"model": schemas.MetricBatchAnswer, "description": "Stored; the ranks are asked for a profile"}},
+)
 async def post_metrics(
     allocation_id: RowId, request: Request, services: ServicesDep, reporter: ReporterDep
 ) -> Response:
-    """Store a batch of `report()` records. 409 once the allocation is superseded or ended."""
+    """Store a batch of `report()` records. 409 once the allocation is superseded or ended. While
+    the attempt's ranks are asked to record a profile, the answer (200) says which and how many
+    steps (`MetricBatchAnswer`); otherwise it is empty (204)."""
     raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.MetricBatchIn.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_batch("metric batch", exc) from exc
 
-    def store() -> None:
+    def store() -> schemas.ProfileOrder | None:
         """Store the batch (a retried one was stored already); the live charts are woken, and a
         trial's study is driven when the batch carries its objective (intermediate values for
         Optuna, and its pruner's verdict)."""
         with services.sessions() as session, session.begin():
             access.may_report_for(session, reporter, allocation_id)
             row = session.execute(
-                select(Allocation.job_id, Allocation.active, Allocation.fenced, TuningTrial.study_id)
+                select(
+                    Allocation.job_id,
+                    Allocation.active,
+                    Allocation.fenced,
+                    TuningTrial.study_id,
+                    Profile.id,
+                    Profile.steps,
+                )
                 .outerjoin(TuningTrial, TuningTrial.job_id == Allocation.job_id)
+                .outerjoin(Profile, Profile.id == Allocation.profile_request)
                 .where(Allocation.id == allocation_id)
             ).one_or_none()
             if row is None:
                 raise NotFound(f"allocation {allocation_id} does not exist")
-            job_id, active, fenced, study_id = row
+            job_id, active, fenced, study_id, profile_id, profile_steps = row
             if fenced or not active:
                 raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
+            order = None if profile_id is None else schemas.ProfileOrder(id=profile_id, steps=profile_steps)
             if not first_delivery(session, MetricBatch, allocation_id, batch_identity(batch.batch_id, raw)):
-                return  # a retry of a batch whose answer was lost: stored already
+                return order  # a retry of a batch whose answer was lost: stored already
             insert_metrics(session, job_id, allocation_id, batch.records)
             # last (a row lock until commit): progress for hang detection, and the latest values
             record_progress(session, allocation_id, batch.records)
@@ -58,9 +73,13 @@ async def post_metrics(
                 objectives = objective_metrics(services, session, study_id)
                 if any(objectives.intersection(r.values) for r in batch.records):
                     note_task(session, ADVANCE_STUDY_TASK, study_id)
+            return order
 
-    await run_in_threadpool(store)
-    return Response(status_code=204)
+    order = await run_in_threadpool(store)
+    if order is None:
+        return Response(status_code=204)
+    answer = schemas.MetricBatchAnswer(profile=order)
+    return Response(answer.model_dump_json(), status_code=200, media_type="application/json")
 
 
 def objective_metrics(services: Services, session: Session, study_id: int) -> frozenset[str]:
@@ -89,3 +108,80 @@ def commit_checkpoint(
         job = attempts.lock_job(session, allocation.job_id)
         row = checkpoints.commit(session, allocation, job, body, settings.checkpoint_uri)
         return views.checkpoint(row)
+
+
+@router.put(
+    "/{allocation_id}/profiles/{profile_id}/ranks/{rank}",
+    status_code=204,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/gzip": {"schema": {"type": "string", "format": "binary"}},
+                "application/json": {"schema": schemas.ProfileFailure.model_json_schema()},
+            },
+        }
+    },
+)
+async def put_profile_trace(
+    allocation_id: RowId,
+    profile_id: RowId,
+    rank: RankNumber,
+    request: Request,
+    services: ServicesDep,
+    settings: SettingsDep,
+    reporter: ReporterDep,
+) -> Response:
+    """A rank's answer to a profile request: its gzipped Chrome trace (`application/gzip`), or a
+    `ProfileFailure` (`application/json`) saying why it has none. The first answer per rank
+    stands; a resend is a no-op. A trace that is not one is refused (422) and changes nothing."""
+    raw = await request.body()  # capped while it streamed (server/body_caps.py)
+    kind = request.headers.get("content-type", "").split(";")[0].strip()
+    failure: schemas.ProfileFailure | None = None
+    if kind == "application/json":
+        try:
+            failure = schemas.ProfileFailure.model_validate_json(raw)
+        except ValidationError as exc:
+            raise invalid_batch("profile failure", exc) from exc
+    elif kind != "application/gzip":
+        raise Unprocessable(
+            f"content type {kind or 'none'!r}: send the trace as application/gzip, or why there is none "
+            'as application/json ({"message": ...})'
+        )
+
+    def answered() -> int | None:
+        """The job's id if this rank has yet to answer (404/422/403 for what is not its to answer)."""
+        with services.sessions() as session, session.begin():
+            access.may_report_for(session, reporter, allocation_id)
+            profile = profiles.profile_for_rank(session, allocation_id, profile_id, rank)
+            return None if session.get(ProfileTrace, (profile_id, rank)) is not None else profile.job_id
+
+    def store(job_id: int) -> None:
+        summary = path = None
+        if failure is None:
+            summary = profiles.summarise_upload(raw)
+            path = profiles.write_trace(settings, job_id, profile_id, rank, raw)
+        try:
+            with services.sessions() as session, session.begin():
+                profile = profiles.profile_for_rank(session, allocation_id, profile_id, rank)
+                kept = profiles.record_answer(
+                    session,
+                    profile,
+                    rank,
+                    path=path,
+                    size_bytes=len(raw) if path else 0,
+                    summary=summary,
+                    error=failure.message if failure else None,
+                )
+                note_job_data(session, job_id)
+        except BaseException:
+            kept = False
+            raise
+        finally:
+            if path is not None and not kept:
+                (settings.data_dir / path).unlink(missing_ok=True)
+
+    job_id = await run_in_threadpool(answered)
+    if job_id is not None:
+        await run_in_threadpool(store, job_id)
+    return Response(status_code=204)

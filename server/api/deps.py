@@ -128,6 +128,7 @@ MAX_ROW_ID = 2**31 - 1
 MAX_BIG_ID = 2**63 - 1
 RowId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
 Step = Annotated[int, Path(ge=0, le=MAX_BIG_ID)]
+RankNumber = Annotated[int, Path(ge=0, le=1_000_000, description="A rank of the job (0 to its world size - 1)")]
 # A metric's name to filter by: what a stored one can be (`schemas.MetricRecord`), or 422
 MetricNameQuery = Annotated[str | None, Query(min_length=1, max_length=128, pattern=NUL_FREE)]
 

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import access, checkpoints, commands, jobs, views
+from server import access, checkpoints, commands, jobs, profiles, views
 from server.api.deps import (
     MAX_BIG_ID,
     MAX_ROW_ID,
     AgentDep,
     HoldsDep,
     MetricNameQuery,
+    RankNumber,
     RowId,
     SessionDep,
     SessionsDep,
@@ -31,7 +32,7 @@ from server.api.uploads import parse_spec
 from server.auth import Principal
 from server.errors import NotFound
 from server.models import Job, LogLine, Metric
-from server.wakeups import job_channel
+from server.wakeups import job_channel, job_data_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 MAX_METRIC_POINTS = 100_000  # a page: ~10 MB of JSON
@@ -118,6 +119,85 @@ def hold_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobVi
 @router.post("/{job_id}/release", response_model=schemas.JobView)
 def release_job(job_id: RowId, session: SessionDep, user: UserDep) -> schemas.JobView:
     return commands.hold_job(session, user, job_id, False)
+
+
+@router.post("/{job_id}/profiles", status_code=201, response_model=schemas.ProfileView)
+def request_profile(
+    job_id: RowId, body: schemas.ProfileRequest, session: SessionDep, settings: SettingsDep, user: UserDep
+) -> schemas.ProfileView:
+    """Ask every rank of the running attempt to record torch.profiler traces of its next `steps`
+    optimizer steps. The ranks pick the request up with their next metric batch (models prepared
+    with `ctx.prepare_model` send one every few seconds) and send their traces when done."""
+    return commands.request_profile(session, settings, user, job_id, body)
+
+
+@router.get("/{job_id}/profiles", response_model=list[schemas.ProfileView])
+def list_profiles(job_id: RowId, session: SessionDep, user: UserDep) -> list[schemas.ProfileView]:
+    """The job's profiles, newest first (it keeps its newest few)."""
+    with session.begin():
+        access.job_for(session, user, job_id)
+        return profiles.job_profiles(session, job_id)
+
+
+@router.get("/{job_id}/profiles/{profile_id}", response_model=schemas.ProfileView)
+async def show_profile(
+    job_id: RowId,
+    profile_id: RowId,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    waiter: WaiterDep,
+    holds: HoldsDep,
+    user: UserDep,
+    answered: Annotated[
+        int | None,
+        Query(ge=0, le=1_000_000, description="With `wait`: answer once more ranks than this have answered"),
+    ] = None,
+    wait: Annotated[float, Query(ge=0, le=300, description="Seconds to hold the request (long-poll)")] = 0.0,
+) -> schemas.ProfileView:
+    """The profile: its state, and each rank that answered with its summary (or why it has no
+    trace); with `answered` and `wait`, hangs until another rank answers or it stops recording."""
+
+    def load() -> schemas.ProfileView:
+        with sessions() as session, session.begin():
+            access.job_for(session, user, job_id)
+            return profiles.view(session, profiles.get_profile(session, job_id, profile_id))
+
+    if answered is None or wait <= 0:
+        return await run_in_threadpool(load)
+    with holds.hold(holder(user), f"the long-poll on profile {profile_id}"):
+        return await waiter.until_changed(
+            job_data_channel(job_id),
+            load,
+            lambda view: len(view.ranks) != answered or view.state != "recording",
+            min(wait, settings.work_poll_seconds),
+        )
+
+
+@router.delete("/{job_id}/profiles/{profile_id}", status_code=204)
+def delete_profile(
+    job_id: RowId, profile_id: RowId, session: SessionDep, settings: SettingsDep, user: UserDep
+) -> Response:
+    commands.delete_profile(session, settings, user, job_id, profile_id)
+    return Response(status_code=204)
+
+
+@router.get(
+    "/{job_id}/profiles/{profile_id}/ranks/{rank}/trace",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/gzip": {}}, "description": "The rank's Chrome trace, gzipped"}},
+)
+def download_trace(
+    job_id: RowId, profile_id: RowId, rank: RankNumber, session: SessionDep, settings: SettingsDep, user: UserDep
+) -> FileResponse:
+    """One rank's trace as `.json.gz`: Perfetto (ui.perfetto.dev) and chrome://tracing open it."""
+    with session.begin():
+        access.job_for(session, user, job_id)
+        path = profiles.trace_path(settings, profiles.get_profile(session, job_id, profile_id), rank, session)
+    return FileResponse(
+        path,
+        media_type="application/gzip",
+        filename=f"job-{job_id}-profile-{profile_id}-rank-{rank}.json.gz",
+    )
 
 
 @router.get("/{job_id}/logs", response_model=list[schemas.LogRecord])
