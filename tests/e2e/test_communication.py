@@ -1,9 +1,11 @@
 """Communication insight on the real stack: a wide MLP on 2 nodes reports where its step time
 goes, and the job's `communication` shows it: the bytes each rank all-reduces (4 per parameter,
-2 with `ddp.comm_hook: bf16`), the exposed share of the step, the slowest rank."""
+2 with `ddp.comm_hook: bf16`), the exposed share of the step, the slowest rank. The same job runs
+at several sizes (`jobs scaling`) and records torch.profiler traces on demand (`jobs profile`)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import textwrap
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from phalanx.schemas import JobSpec, JobState, ScalingPoint
+from phalanx.schemas import JobSpec, JobState, ProfileView, ScalingPoint
+from server.trace_summary import summarise_bytes
 from tests.processes import Stack, cli, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -106,3 +109,38 @@ def test_scaling_runs_the_job_at_each_size_for_a_bounded_number_of_steps(stack: 
     assert two.steps_per_second > 0 and two.throughput == pytest.approx(2 * two.steps_per_second)
     assert two.efficiency == pytest.approx(two.throughput / (2 * one.throughput))
     assert two.comm_fraction is not None and 0 < two.comm_fraction < 1
+
+
+def test_a_profile_of_a_running_two_node_job_records_every_rank_and_summarises_it(stack: Stack, tmp_path: Path) -> None:
+    spec, workdir = wide_job(tmp_path, "none")
+    (workdir / "train.py").write_text(textwrap.dedent(ENDLESS))
+    with stack.client() as client:
+        job = client.submit(spec, workdir)
+        running = client.get_job_change(job.id, JobState.QUEUED)
+        if running.state is JobState.SCHEDULED:
+            running = client.get_job_change(job.id, JobState.SCHEDULED)
+        assert running.state is JobState.RUNNING, running.failure_reason
+        traces = tmp_path / "traces"
+        done = cli(stack, "jobs", "profile", str(job.id), "--steps", "10", "--download", str(traces), "--json")
+        profile = ProfileView.model_validate_json(done.stdout)
+        shown = cli(stack, "jobs", "profile", str(job.id), "--show", str(profile.id), COLUMNS="200").stdout
+        detail = client.get_job(job.id)
+        client.kill_job(job.id)
+    assert profile.state == "complete" and [r.rank for r in profile.ranks] == [0, 1]
+    for rank in profile.ranks:
+        summary = rank.summary
+        assert summary is not None, rank.error
+        assert summary.device == "cpu" and summary.steps == 10
+        assert 0 < summary.comm_s < summary.step_time_s and 0 < summary.compute_s < summary.step_time_s
+        assert summary.overlap_s <= min(summary.compute_s, summary.comm_s)
+        busy = summary.compute_s + summary.comm_s - summary.overlap_s
+        assert busy + summary.idle_s == pytest.approx(summary.step_time_s, rel=1e-6)
+        # the downloaded trace is the rank's own, and the server's summary is what it says
+        path = traces / f"job-{job.id}-profile-{profile.id}-rank-{rank.rank}.json.gz"
+        assert path.stat().st_size == rank.size_bytes
+        assert summarise_bytes(path.read_bytes()) == summary
+        names = {e.get("name", "") for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+        assert any(n.startswith("ProfilerStep#") for n in names) and "gloo:all_reduce" in names
+    assert profile.comm_fraction is not None and 0 < profile.comm_fraction < 1
+    assert f"profile {profile.id} of job {job.id}" in shown and "exposed comm" in shown
+    assert [p.id for p in detail.profiles] == [profile.id]

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 from typing import Any
 
 from fastapi.testclient import TestClient
 
 from scheduler.service import schedule_pass
+from server.app import create_app
 from server.db import session_scope
 from server.settings import Settings
 from tests.agent_tokens import as_agent
@@ -219,3 +221,14 @@ def test_a_job_keeps_its_newest_profiles_and_deleting_one_withdraws_its_request(
     # the request pushed out the oldest; the deleted ones are gone with their files
     assert [p["id"] for p in client.get(f"/api/v1/jobs/{job_id}/profiles", headers=USER).json()] == ids[-2:1:-1]
     assert sorted(int(p.name) for p in folders.iterdir()) == ids[2:-1]
+
+
+def test_a_trace_over_the_cap_is_refused_while_it_streams(settings: Settings) -> None:
+    capped = settings.model_copy(update={"max_profile_trace_bytes": 2048})
+    with TestClient(create_app(capped)) as client:
+        job_id, allocation, token = two_rank_job(client, capped)
+        profile = client.post(f"/api/v1/jobs/{job_id}/profiles", json={}, headers=USER).json()
+        big = os.urandom(4096)
+        refused = put_trace(client, allocation, profile["id"], 0, big, token)
+        assert refused.status_code == 413 and "2,048 bytes" in refused.json()["error"]
+        assert client.get(f"/api/v1/jobs/{job_id}/profiles/{profile['id']}", headers=USER).json()["ranks"] == []
