@@ -76,6 +76,7 @@ from phalanx.schemas.specs import (
     check_requirement,
 )
 from phalanx.schemas.views import (
+    MAX_PROFILE_STEPS,
     AgentView,
     AllocationView,
     CheckpointView,
@@ -117,6 +118,7 @@ from phalanx.schemas.views import (
 
 __all__ = [
     "ENV_KEY",
+    "MAX_PROFILE_STEPS",
     "NAME_PATTERN",
     "NUL_FREE",
     "RESERVED_ENV_KEYS",

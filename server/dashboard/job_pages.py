@@ -1,5 +1,5 @@
-"""The jobs table, a job's page (its kill button), its logs, its checkpoints' downloads.
-Users see their own jobs; admins see all."""
+"""The jobs table, a job's page (its kill and profile buttons), its logs, its checkpoints' and
+profile traces' downloads. Users see their own jobs; admins see all."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from typing import Annotated, Any
 
 import orjson
 import yaml
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import RedirectResponse, Response, StreamingResponse
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, checkpoints, commands, views
-from server.api.deps import RowId, SessionDep, Step
+from server import access, checkpoints, commands, profiles, views
+from server.api.deps import RankNumber, RowId, SessionDep, SettingsDep, Step
 from server.auth import Principal
 from server.dashboard import metric_series
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
@@ -119,6 +119,38 @@ def chart_data(
     timing = f"chart;dur={(time.perf_counter() - started) * 1000:.1f}"
     headers = {"Cache-Control": "no-store", "Server-Timing": timing}
     return Response(body, media_type="application/json", headers=headers)
+
+
+@router.post("/jobs/{job_id}/profile", response_model=None)
+def profile_action(
+    job_id: RowId,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: SignedIn,
+    _: CsrfChecked,
+    steps: Annotated[int, Form(ge=1, le=schemas.MAX_PROFILE_STEPS)] = 20,
+) -> Response:
+    """The Profile button: ask the running attempt's ranks for traces of their next `steps` steps
+    (a refusal, such as one still recording, is shown on the job's page)."""
+    try:
+        profile = commands.request_profile(session, settings, user, job_id, schemas.ProfileRequest(steps=steps))
+    except Conflict as exc:
+        return _job_page(job_id, request, session, user, error=exc.message, status=409)
+    return RedirectResponse(f"/jobs/{job_id}#profile-{profile.id}", status_code=303)
+
+
+@router.get("/jobs/{job_id}/profiles/{profile_id}/ranks/{rank}/trace", response_model=None)
+def profile_trace(
+    job_id: RowId, profile_id: RowId, rank: RankNumber, session: SessionDep, settings: SettingsDep, user: SignedIn
+) -> Response:
+    """One rank's gzipped Chrome trace, for the download links of a job's page."""
+    with session.begin():
+        access.job_for(session, user, job_id)
+        path = profiles.trace_path(settings, profiles.get_profile(session, job_id, profile_id), rank, session)
+    return FileResponse(
+        path, media_type="application/gzip", filename=f"job-{job_id}-profile-{profile_id}-rank-{rank}.json.gz"
+    )
 
 
 JOB_ACTIONS = ("kill", "pause", "resume", "hold", "release")

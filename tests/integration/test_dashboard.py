@@ -278,3 +278,48 @@ def test_the_job_page_splits_each_ranks_step_and_names_the_slowest(client: TestC
     page = client.get(f"/jobs/{job_id}").text
     assert "Slowest rank: <strong>0</strong>" in page and 'class="slowest"' in page
     assert "3.81 MiB all-reduced per step" in page
+
+
+def test_the_profile_button_asks_the_ranks_and_the_page_shows_each_ranks_trace(
+    client: TestClient, settings: Settings
+) -> None:
+    import gzip
+    import json
+
+    from tests.agent_tokens import as_rank
+
+    job_id = submit(client, resources={"nodes": 1, "slots_per_node": 2})
+    schedule(settings)
+    (allocation,) = client.get(f"/api/v1/jobs/{job_id}", headers=USER).json()["allocations"]
+    sign_in(client)
+    page = client.get(f"/jobs/{job_id}").text
+    assert 'data-action="profile"' in page
+    asked = client.post(f"/jobs/{job_id}/profile", data={"steps": "5", "csrf_token": csrf(client, f"/jobs/{job_id}")})
+    assert asked.status_code == 303 and asked.headers["location"].startswith(f"/jobs/{job_id}#profile-")
+    twice = client.post(f"/jobs/{job_id}/profile", data={"steps": "5", "csrf_token": csrf(client, f"/jobs/{job_id}")})
+    assert twice.status_code == 409 and "is still recording" in twice.text
+    forged = client.post(f"/jobs/{job_id}/profile", data={"steps": "5", "csrf_token": "guess"})
+    assert forged.status_code == 403
+    (profile,) = client.get(f"/api/v1/jobs/{job_id}/profiles", headers=USER).json()
+    assert profile["steps"] == 5 and profile["state"] == "recording"
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "tid": 2, "ts": 400, "dur": 400},
+    ]
+    body = gzip.compress(json.dumps({"traceEvents": events}).encode())
+    url = f"/api/v1/allocations/{allocation['id']}/profiles/{profile['id']}/ranks/0"
+    rank_token = as_rank(client, allocation["id"])
+    assert client.put(url, content=body, headers={**rank_token, "Content-Type": "application/gzip"}).status_code == 204
+    failed = client.put(url[:-1] + "1", json={"message": "profiler busy"}, headers=rank_token)
+    assert failed.status_code == 204
+
+    page = client.get(f"/jobs/{job_id}").text
+    assert f"Profile {profile['id']}" in page and "2 of 2 ranks answered" in page
+    assert "no trace: profiler busy" in page
+    link = f"/jobs/{job_id}/profiles/{profile['id']}/ranks/0/trace"
+    assert f'href="{link}"' in page and 'class="overlap" style="width: 10.0%"' in page
+    download = client.get(link)
+    assert download.status_code == 200 and download.content == body
+    assert client.get(link[:-7] + "1/trace").status_code == 404
