@@ -1,5 +1,5 @@
 """Scaling efficiency of the digits and small-GPT examples at 1 and 2 nodes, through
-`phalanx jobs scaling` (`phalanx.scaling`) on a running stack of two one-slot agents.
+`phalanx jobs scaling` (a scaling run on the server) on a running stack of two one-slot agents.
 
     python bench/bench_scaling.py [--backend embedded|postgres] [--warmup 20] [--only digits,gpt]
 
@@ -23,7 +23,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from bench._common import REPO, digits_spec, log, stack
 from phalanx.client import load_job_file
-from phalanx.scaling import scaling
 from phalanx.schemas import JobSpec
 
 # Steps measured per size: several seconds at each, so that the ranks' communication figures
@@ -43,7 +42,8 @@ def run(backend: str = "embedded", warmup: int = 20, only: list[str] | None = No
     chosen = {name: job for name, job in workloads().items() if only is None or name in only}
     with stack(backend) as running:
         for name, (spec, workdir) in chosen.items():
-            points = scaling(running.client, spec, workdir, [1, 2], steps=STEPS[name], warmup=warmup, progress=log)
+            points = running.client.scaling(spec, workdir, [1, 2], steps=STEPS[name], warmup=warmup)
+            log(f"{name}: " + ", ".join(f"{p.nodes} node(s) {p.steps_per_second:.2f} steps/s" for p in points))
             rows.append({"workload": name, "steps": STEPS[name], "points": [p.model_dump(mode="json") for p in points]})
     return {"bench": "scaling", "backend": backend, "warmup": warmup, "rows": rows}
 

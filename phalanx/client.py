@@ -40,6 +40,9 @@ from phalanx.schemas import (
     ProfileView,
     QueueView,
     ScalingPoint,
+    ScalingRequest,
+    ScalingRunView,
+    ScalingState,
     Study,
     StudyBest,
     StudyDetail,
@@ -240,14 +243,66 @@ class Client:
             lambda job: f"job {job_id} is still {job.state.value}",
         )
 
-    def scaling(
-        self, spec: JobSpec, workdir: Path | None, nodes: list[int], steps: int = 100, warmup: int = 10
-    ) -> list[ScalingPoint]:
-        """Run `spec` at each size in `nodes` for `warmup + steps` steps: throughput, scaling
-        efficiency and communication share per size (see `phalanx.scaling`)."""
-        from phalanx.scaling import scaling
+    # --- scaling runs ---------------------------------------------------------------------------
 
-        return scaling(self, spec, workdir, nodes, steps=steps, warmup=warmup)
+    def start_scaling(
+        self, spec: JobSpec, workdir: Path | None, nodes: list[int], steps: int = 100, warmup: int = 10
+    ) -> ScalingRunView:
+        """Start a scaling run on the server: `spec` at each size in `nodes` in turn (smallest
+        first), each until rank 0 has reported `warmup + steps` steps (see `phalanx.scaling`)."""
+        request = ScalingRequest(nodes=nodes, steps=steps, warmup=warmup)
+        files: dict[str, Any] = {
+            "spec": (None, spec.model_dump_json(), "application/json"),
+            "request": (None, request.model_dump_json(), "application/json"),
+        }
+        if workdir is not None:
+            files["bundle"] = ("bundle.tar.gz", pack_workdir(workdir), "application/gzip")
+        return ScalingRunView.model_validate_json(self._request("POST", "/scaling", files=files).content)
+
+    def get_scaling(self, run_id: int) -> ScalingRunView:
+        return self._get(ScalingRunView, f"/scaling/{run_id}")
+
+    def cancel_scaling(self, run_id: int) -> ScalingRunView:
+        return ScalingRunView.model_validate_json(self._request("POST", f"/scaling/{run_id}/cancel").content)
+
+    def wait_scaling(
+        self, run_id: int, timeout: float | None = None, progress: Callable[[ScalingRunView], None] | None = None
+    ) -> ScalingRunView:
+        """Block until the run ended (long-polls: the server answers as each size starts or is
+        measured); TimeoutError after `timeout` seconds."""
+
+        def change(run: ScalingRunView, wait: float) -> ScalingRunView:
+            params = {"version": run.version, "wait": wait}
+            changed = self._get(ScalingRunView, f"/scaling/{run_id}", params=params, timeout=wait + 15)
+            if progress is not None and changed.version != run.version:
+                progress(changed)
+            return changed
+
+        return _long_poll(
+            self.get_scaling(run_id),
+            lambda run: run.state.is_terminal,
+            change,
+            timeout,
+            lambda run: f"scaling run {run_id} is still {run.state.value} ({len(run.points)} sizes measured)",
+        )
+
+    def scaling(
+        self,
+        spec: JobSpec,
+        workdir: Path | None,
+        nodes: list[int],
+        steps: int = 100,
+        warmup: int = 10,
+        timeout: float | None = None,
+    ) -> list[ScalingPoint]:
+        """Run a scaling run to its end: throughput, scaling efficiency and communication share per
+        size. `phalanx.scaling.ScalingError` when a size could not be measured."""
+        from phalanx.scaling import ScalingError
+
+        run = self.wait_scaling(self.start_scaling(spec, workdir, nodes, steps, warmup).id, timeout)
+        if run.state is not ScalingState.COMPLETED:
+            raise ScalingError(f"scaling run {run.id} {run.state.value}: {run.reason}")
+        return run.points
 
     # --- profiles -------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from celery import Celery
 from scheduler.periodic import Periodic
 from server import task_queue
 from server.settings import Settings
-from server.task_names import ADVANCE_STUDIES_TASK, REAP_TASK, SCHEDULE_TASK
+from server.task_names import ADVANCE_SCALING_TASK, ADVANCE_STUDIES_TASK, REAP_TASK, SCHEDULE_TASK
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -22,4 +22,5 @@ def periodic_passes(settings: Settings) -> list[Periodic]:
         Periodic(SCHEDULE_TASK, settings.schedule_interval),
         Periodic(REAP_TASK, settings.heartbeat_interval),
         Periodic(ADVANCE_STUDIES_TASK, settings.schedule_interval),
+        Periodic(ADVANCE_SCALING_TASK, settings.schedule_interval),
     ]

@@ -13,11 +13,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from phalanx.schemas import TERMINAL_JOB_STATES, StudyState, TrialState
 from scheduler import service
 from scheduler.study_driver import Driver
-from server import checkpoints
+from server import checkpoints, scaling
 from server.db import session_factory
 from server.models import Job, TuningStudy, TuningTrial
 from server.settings import get_settings
 from server.task_names import (
+    ADVANCE_SCALING_TASK,
     ADVANCE_STUDIES_TASK,
     ADVANCE_STUDY_TASK,
     DELETE_CHECKPOINTS_TASK,
@@ -94,3 +95,17 @@ def advance_studies() -> int:
     for study_id in study_ids:
         advance_study.delay(study_id)
     return len(study_ids)
+
+
+@shared_task(name=ADVANCE_SCALING_TASK)  # type: ignore[untyped-decorator]
+def advance_scaling() -> int:
+    """Periodic: one step of every running scaling run, each in its own transaction under its row
+    lock (a run another scheduler is advancing is skipped)."""
+    with _sessions().begin() as session:
+        run_ids = scaling.running_run_ids(session)
+    for run_id in run_ids:
+        with _sessions().begin() as session:
+            run = scaling.lock_running(session, run_id)
+            if run is not None:
+                scaling.advance(session, run)
+    return len(run_ids)

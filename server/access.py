@@ -15,6 +15,9 @@ Agents: every user lists them, with the names of only the jobs they may read; on
 admin drains one. Tokens: a user lists and revokes their
 own, a cluster admin all; only a cluster admin mints them.
 
+Profiles of a job: asked for and deleted by who may act on the job, read and downloaded by who
+may read it. Scaling runs: as jobs (read: owner, team, admins; cancel: owner, team admin, admins).
+
 Machine principals: an agent's own token acts for that agent only (`agent_acts_as`); the cluster's
 bootstrap agent token only registers agents. A job's ranks hold their allocation's own token: it
 reports metrics and checkpoints for that allocation and reaches nothing else.
@@ -33,7 +36,7 @@ from sqlalchemy.orm import Session, selectinload
 from server.attempts import lock_job
 from server.auth import Principal
 from server.errors import Forbidden, NotFound
-from server.models import Allocation, AllocationNode, ApiToken, Job, Team, TeamMember, TuningStudy, User
+from server.models import Allocation, AllocationNode, ApiToken, Job, ScalingRun, Team, TeamMember, TuningStudy, User
 from server.studies import get_study
 from server.teams import get_team
 
@@ -143,6 +146,38 @@ def study_to_change(session: Session, principal: Principal, study_id: int) -> Tu
             "may change it"
         )
     return get_study(session, study_id, lock=True)
+
+
+def _no_scaling_run(run_id: int) -> NotFound:
+    return NotFound(
+        f"There is no scaling run {run_id} that you can see: it does not exist or is neither yours nor your team's."
+    )
+
+
+def scaling_run_for(session: Session, principal: Principal, run_id: int) -> ScalingRun:
+    run = session.get(ScalingRun, run_id)
+    if run is None or not _may_read(session, principal, run.owner_id, run.team_id):
+        raise _no_scaling_run(run_id)
+    return run
+
+
+def scaling_run_to_change(session: Session, principal: Principal, run_id: int) -> ScalingRun:
+    """The run, locked, if `principal` may act on it (404 if they may not read it, else 403)."""
+    run = scaling_run_for(session, principal, run_id)
+    if not _may_act(session, principal, run.owner_id, run.team_id):
+        raise Forbidden(
+            f"scaling run {run_id} belongs to {run.owner.name}: only they, an admin of its team or a cluster admin "
+            "may cancel it"
+        )
+    session.refresh(run, with_for_update=True)
+    return run
+
+
+def visible_scaling_runs(principal: Principal) -> Select[ScalingRun]:
+    query = select(ScalingRun).options(selectinload(ScalingRun.owner))
+    if principal.is_admin:
+        return query
+    return query.where(or_(ScalingRun.owner_id == principal.user_id, ScalingRun.team_id.in_(_team_ids(principal))))
 
 
 def may_change_study(session: Session, principal: Principal, study: TuningStudy) -> bool:

@@ -15,7 +15,7 @@ from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
 from server import auth, dashboard, task_queue
-from server.api import agents, allocations, docs, jobs, ops, queue, studies, teams, tokens, usage
+from server.api import agents, allocations, docs, jobs, ops, queue, scaling, studies, teams, tokens, usage
 from server.api.deps import Services, get_principal, install_services
 from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
@@ -88,7 +88,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
 
     # Authenticated by default: every /api/v1 route needs a bearer token.
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(get_principal)])
-    for module in (jobs, studies, agents, allocations, teams, tokens, queue, usage):
+    for module in (jobs, studies, scaling, agents, allocations, teams, tokens, queue, usage):
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(ops.router)

@@ -43,7 +43,7 @@ def caps_for(settings: Settings) -> Callable[[str, str], int]:
     """The cap of each (method, path); uploads and batches get what their settings allow."""
     upload = settings.max_bundle_bytes + UPLOAD_OVERHEAD
     rules = [
-        (re.compile(r"^/api/v1/(jobs|studies)$"), upload),
+        (re.compile(r"^/api/v1/(jobs|studies|scaling)$"), upload),
         (re.compile(r"^/submit$"), upload),
         (re.compile(r"^/api/v1/allocations/[^/]+/metrics$"), settings.max_metric_batch_bytes),
         (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/logs$"), settings.max_log_batch_bytes),

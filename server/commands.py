@@ -1,8 +1,8 @@
 """The use cases a person starts, written once for the REST API and the dashboard: submit, kill,
-pause and resume a job; ask a running job for a profile, or delete one; submit, stop and resume a
-study; drain an agent; find a checkpoint to download; mint and revoke API tokens; create teams,
-manage their members, set their shares; hold and release a job or a team's queue. Routes and
-pages only parse the request, call one of these, and render the answer.
+pause and resume a job; ask a running job for a profile, or delete one; start or cancel a scaling
+run; submit, stop and resume a study; drain an agent; find a checkpoint to download; mint and
+revoke API tokens; create teams, manage their members, set their shares; hold and release a job or
+a team's queue. Routes and pages only parse the request, call one of these, and render the answer.
 
 Each function owns its transaction: it asks `server.access` whether the principal may do it
 (404 for what they cannot see), applies the domain rules (`server.jobs`, `server.studies`,
@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, agents, auth, checkpoints, jobs, profiles, studies, teams, views
+from server import access, agents, auth, checkpoints, jobs, profiles, scaling, studies, teams, views
 from server.auth import Principal
 from server.bundles import store_bundle
 from server.errors import Conflict, NotFound
@@ -95,6 +95,35 @@ def delete_profile(session: Session, settings: Settings, principal: Principal, j
         access.job_to_change(session, principal, job_id)
         profiles.delete_profile(session, profiles.get_profile(session, job_id, profile_id))
     profiles.remove_files(settings, job_id, [profile_id])
+
+
+def start_scaling(
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    spec: schemas.JobSpec,
+    request: schemas.ScalingRequest,
+    bundle: BinaryIO | None,
+) -> schemas.ScalingRunView:
+    """Store the code bundle and start the run: its smallest size's job is queued (422 when some
+    size could never fit; nothing is created then)."""
+    checkpoints.check_storage(spec.checkpoint.storage, settings)
+    with session.begin():
+        team = teams.team_for_new_work(session, principal, spec.team)
+    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    with session.begin():
+        team = teams.team_for_new_work(session, principal, spec.team)
+        spec = spec.model_copy(update={"team": team.name if team else None})
+        run = scaling.create_run(session, spec, request, _owner(principal), team.id if team else None, sha, size)
+        return scaling.view(session, run)
+
+
+def cancel_scaling(session: Session, principal: Principal, run_id: int) -> schemas.ScalingRunView:
+    """CANCELLED; the size being measured is killed (409 once the run ended)."""
+    with session.begin():
+        run = access.scaling_run_to_change(session, principal, run_id)
+        scaling.cancel_run(session, run)
+        return scaling.view(session, run)
 
 
 def committed_checkpoint_path(session: Session, principal: Principal, job_id: int, step: int) -> str:

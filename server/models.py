@@ -354,6 +354,35 @@ class ProfileTrace(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
 
 
+class ScalingRun(Base):
+    """`phalanx jobs scaling`: one job spec run at several sizes in turn, each until rank 0 has
+    reported `warmup + steps` steps, then killed and measured (`server.scaling`; its state changes
+    only through `server.transitions`)."""
+
+    __tablename__ = "scaling_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    team_id: Mapped[int | None] = mapped_column(ForeignKey("teams.id"))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str | None] = mapped_column(Text)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64))
+    bundle_size: Mapped[int] = mapped_column(BigInteger, default=0)
+    nodes: Mapped[list[int]] = mapped_column(JSON)  # the sizes, smallest first
+    steps: Mapped[int] = mapped_column(Integer)
+    warmup: Mapped[int] = mapped_column(Integer)
+    job_ids: Mapped[list[int]] = mapped_column(JSON, default=list)  # one per size started so far
+    measured: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)  # `phalanx.scaling.Measured`
+    size_started_at: Mapped[datetime | None] = mapped_column(DateTime)  # for the per-size timeout
+    reached_at: Mapped[datetime | None] = mapped_column(DateTime)  # rank 0 reached the last step
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow())
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    owner: Mapped[User] = relationship()
+
+
 class ControlPlane(Base):
     """Facts about the control plane itself, e.g. when a server last started (the reaper gives
     agents a heartbeat timeout's grace after that: they could not report while it was down)."""

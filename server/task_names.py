@@ -7,3 +7,4 @@ REAP_TASK = "phalanx.reap"  # no arguments: lost agents, hung attempts, leftover
 DELETE_CHECKPOINTS_TASK = "phalanx.delete_checkpoints"  # (job_id,)
 ADVANCE_STUDY_TASK = "phalanx.advance_study"  # (study_id,)
 ADVANCE_STUDIES_TASK = "phalanx.advance_studies"  # no arguments: a pass per running study
+ADVANCE_SCALING_TASK = "phalanx.advance_scaling"  # no arguments: a step of every running scaling run

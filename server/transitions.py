@@ -1,5 +1,5 @@
-"""The only code that writes a state column: jobs, studies, agents, allocation nodes, trials and
-checkpoints.
+"""The only code that writes a state column: jobs, studies, agents, allocation nodes, trials,
+scaling runs and checkpoints.
 
 Each kind has a rule table of the moves it allows; everything else raises `IllegalTransition`
 (409). Every write is a compare-and-set, `UPDATE … SET state = :to WHERE id = :id AND state = :from`:
@@ -23,10 +23,20 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from phalanx.schemas import AgentState, JobState, NodeState, StudyState, TrialState
+from phalanx.schemas import AgentState, JobState, NodeState, ScalingState, StudyState, TrialState
 from server.errors import IllegalTransition
-from server.models import Agent, AllocationNode, Checkpoint, Job, JobEvent, TuningStudy, TuningTrial, utcnow
-from server.wakeups import note_job_change, note_study_change
+from server.models import (
+    Agent,
+    AllocationNode,
+    Checkpoint,
+    Job,
+    JobEvent,
+    ScalingRun,
+    TuningStudy,
+    TuningTrial,
+    utcnow,
+)
+from server.wakeups import note_job_change, note_scaling_change, note_study_change
 
 S = JobState
 # What a QUEUED job's `wait_reason` says until the next scheduling pass gives the real one.
@@ -71,6 +81,13 @@ TRIAL_ALLOWED: dict[TrialState, frozenset[TrialState]] = {
     TrialState.COMPLETE: frozenset(),
     TrialState.PRUNED: frozenset(),
     TrialState.FAIL: frozenset(),
+}
+
+SCALING_ALLOWED: dict[ScalingState, frozenset[ScalingState]] = {
+    ScalingState.RUNNING: frozenset({ScalingState.COMPLETED, ScalingState.FAILED, ScalingState.CANCELLED}),
+    ScalingState.COMPLETED: frozenset(),
+    ScalingState.FAILED: frozenset(),
+    ScalingState.CANCELLED: frozenset(),
 }
 
 COMMITTED, DELETING = "COMMITTED", "DELETING"
@@ -186,6 +203,11 @@ def transition_node(session: Session, node: AllocationNode, target: NodeState, *
 def transition_trial(session: Session, trial: TuningTrial, target: TrialState, **values: Any) -> None:
     _move(session, "trial", trial, TRIAL_ALLOWED, target, **values)
     note_study_change(session, trial.study_id)
+
+
+def transition_scaling(session: Session, run: ScalingRun, target: ScalingState, reason: str) -> None:
+    _move(session, "scaling run", run, SCALING_ALLOWED, target, reason=reason, ended_at=db_now(session))
+    note_scaling_change(session, run.id)
 
 
 def transition_checkpoint(session: Session, checkpoint: Checkpoint, target: str) -> None:

@@ -70,6 +70,10 @@ def study_channel(study_id: int) -> str:
     return f"study:{study_id}"
 
 
+def scaling_channel(run_id: int) -> str:
+    return f"scaling:{run_id}"
+
+
 def job_data_channel(job_id: int) -> str:
     """Woken when a job's metrics, logs or checkpoints arrive (the dashboard's live charts and logs);
     apart from `job_channel` so that state long-polls are not woken by every metric batch."""
@@ -93,6 +97,11 @@ def note_study_change(session: Session, study_id: int, *, trial_ended: bool = Fa
     session.info.setdefault(_CHANGED_STUDIES, set()).add(study_id)
     if trial_ended:
         session.info.setdefault(_ENDED_TRIAL_STUDIES, set()).add(study_id)
+
+
+def note_scaling_change(session: Session, run_id: int) -> None:
+    """A scaling run moved on (a size started or measured, or it ended): its watchers answer."""
+    session.info.setdefault(_CHANNELS, set()).add(scaling_channel(run_id))
 
 
 def note_agent_work(session: Session, agent_ids: Iterable[int]) -> None:

@@ -14,7 +14,16 @@ from rich.table import Table
 from phalanx.cli.live import follow
 from phalanx.cli.output import JsonOpt, api, console, fail, fmt_metrics, print_json
 from phalanx.client import SpecError
-from phalanx.schemas import Communication, JobDetail, JobState, JobView, ProfileView, QueuePlace
+from phalanx.schemas import (
+    Communication,
+    JobDetail,
+    JobState,
+    JobView,
+    ProfileView,
+    QueuePlace,
+    ScalingRunView,
+    ScalingState,
+)
 
 app = typer.Typer(help="Inspect and control jobs.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="A job's committed checkpoints.", no_args_is_help=True)
@@ -178,10 +187,9 @@ def jobs_scaling(
     warmup: Annotated[int, typer.Option(help="Steps left out of the rate at the start of each run.")] = 10,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run a job at several sizes for a bounded number of steps each: throughput, scaling
-    efficiency and the communication share at each size."""
+    """Run a job at several sizes for a bounded number of steps each (on the server, one size after
+    another, smallest first): throughput, scaling efficiency and the communication share at each."""
     from phalanx.client import load_job_file
-    from phalanx.scaling import ScalingError, scaling
 
     try:
         sizes = [int(part) for part in nodes.split(",") if part.strip()]
@@ -190,13 +198,22 @@ def jobs_scaling(
         fail(f"--nodes {nodes!r}: give sizes such as 1,2,4 ({exc})", 2)
     except SpecError as exc:
         fail(str(exc), 2)
+
+    def progress(run: ScalingRunView) -> None:
+        if not as_json and run.measuring is not None:
+            done = ", ".join(f"{p.nodes}: {p.steps_per_second:.2f} steps/s" for p in run.points)
+            job = run.job_ids[-1] if run.job_ids else "-"
+            console.print(f"measuring {run.measuring} node(s) (job {job}){'; ' + done if done else ''}")
+
     with api() as client:
-        try:
-            points = scaling(
-                client, spec, workdir, sizes, steps=steps, warmup=warmup, progress=None if as_json else console.print
-            )
-        except (ScalingError, ValueError) as exc:
-            fail(str(exc), 1)
+        run = client.start_scaling(spec, workdir, sizes, steps=steps, warmup=warmup)
+        if not as_json:
+            console.print(f"scaling run {run.id}: sizes {', '.join(map(str, run.nodes))}, one after another")
+        progress(run)
+        run = client.wait_scaling(run.id, progress=progress)
+    if run.state is not ScalingState.COMPLETED:
+        fail(f"scaling run {run.id} {run.state.value}: {run.reason}", 1)
+    points = run.points
     if as_json:
         print_json(points)
         return

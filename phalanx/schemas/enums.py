@@ -60,6 +60,17 @@ class StudyState(enum.StrEnum):
         return self in (StudyState.COMPLETED, StudyState.FAILED)
 
 
+class ScalingState(enum.StrEnum):
+    RUNNING = "RUNNING"  # one size after another: a job each, killed once measured
+    COMPLETED = "COMPLETED"  # every size measured
+    FAILED = "FAILED"  # a size could not be measured (its job failed, reported too little, timed out)
+    CANCELLED = "CANCELLED"  # by a user: the size being measured was killed
+
+    @property
+    def is_terminal(self) -> bool:
+        return self is not ScalingState.RUNNING
+
+
 class TrialState(enum.StrEnum):
     """An Optuna trial's state as Phalanx last told it (Optuna's own names)."""
 

@@ -8,10 +8,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from phalanx.schemas._base import NAME_PATTERN, MetricValue, StrictModel, WireModel
-from phalanx.schemas.enums import AgentState, Direction, JobState, NodeState, SlotType, StudyState, TrialState
+from phalanx.schemas.enums import (
+    AgentState,
+    Direction,
+    JobState,
+    NodeState,
+    ScalingState,
+    SlotType,
+    StudyState,
+    TrialState,
+)
 from phalanx.schemas.specs import JobSpec, StudySpec
 
 
@@ -164,6 +173,24 @@ class ProfileView(WireModel):
     slowest_rank: int | None = None
 
 
+MAX_SCALING_SIZES = 8
+
+
+class ScalingRequest(StrictModel):
+    """`POST /scaling` beside the job spec: the sizes to run and how many steps to measure."""
+
+    nodes: Annotated[list[Annotated[int, Field(ge=1, le=1024)]], Field(min_length=1, max_length=MAX_SCALING_SIZES)]
+    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 100
+    warmup: Annotated[int, Field(ge=0, le=1_000_000)] = 10
+
+    @field_validator("nodes")
+    @classmethod
+    def _distinct_sizes(cls, nodes: list[int]) -> list[int]:
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"nodes {nodes}: give each size once, such as [1, 2, 4]")
+        return sorted(nodes)
+
+
 class ScalingPoint(WireModel):
     """One size of a scaling run (`phalanx jobs scaling`)."""
 
@@ -175,6 +202,27 @@ class ScalingPoint(WireModel):
     efficiency: float  # throughput / (the smallest size's, scaled by the node count): 1.0 is linear
     comm_fraction: float | None  # the job's exposed communication / step time (None: no figures)
     bytes_per_step: float | None
+
+
+class ScalingRunView(WireModel):
+    """A scaling run: its sizes, the one being measured, and each measured size's point (against
+    the smallest size, recomputed as sizes are added)."""
+
+    id: int
+    name: str
+    owner: str
+    team: str | None
+    state: ScalingState
+    reason: str | None
+    nodes: list[int]
+    steps: int
+    warmup: int
+    measuring: int | None  # the size being measured now (nodes)
+    job_ids: list[int]  # one per size started, in the order of `nodes`
+    points: list[ScalingPoint]
+    created_at: datetime
+    ended_at: datetime | None
+    version: str  # changes whenever anything above does (long-polls compare it)
 
 
 class JobDetail(JobView):

@@ -1,4 +1,4 @@
-"""on-demand profiles: a request per attempt, and each rank's trace and its summary
+"""on-demand profiles (a request per attempt, each rank's trace and its summary) and scaling runs
 
 Revision ID: 0012
 Revises: 0011
@@ -59,8 +59,36 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("profile_id", "rank", name=op.f("pk_profile_traces")),
     )
 
+    op.create_table(
+        "scaling_runs",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("name", sa.String(length=64), nullable=False),
+        sa.Column("owner_id", sa.Integer(), nullable=False),
+        sa.Column("team_id", sa.Integer(), nullable=True),
+        sa.Column("state", sa.String(length=16), nullable=False),
+        sa.Column("reason", sa.Text(), nullable=True),
+        sa.Column("spec", sa.JSON(), nullable=False),
+        sa.Column("bundle_sha256", sa.String(length=64), nullable=True),
+        sa.Column("bundle_size", sa.BigInteger(), nullable=False),
+        sa.Column("nodes", sa.JSON(), nullable=False),
+        sa.Column("steps", sa.Integer(), nullable=False),
+        sa.Column("warmup", sa.Integer(), nullable=False),
+        sa.Column("job_ids", sa.JSON(), nullable=False),
+        sa.Column("measured", sa.JSON(), nullable=False),
+        sa.Column("size_started_at", sa.DateTime(), nullable=True),
+        sa.Column("reached_at", sa.DateTime(), nullable=True),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.Column("ended_at", sa.DateTime(), nullable=True),
+        sa.ForeignKeyConstraint(["owner_id"], ["users.id"], name=op.f("fk_scaling_runs_owner_id_users")),
+        sa.ForeignKeyConstraint(["team_id"], ["teams.id"], name=op.f("fk_scaling_runs_team_id_teams")),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_scaling_runs")),
+    )
+    op.create_index(op.f("ix_scaling_runs_state"), "scaling_runs", ["state"], unique=False)
+
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_scaling_runs_state"), table_name="scaling_runs")
+    op.drop_table("scaling_runs")
     op.drop_table("profile_traces")
     op.drop_index(op.f("ix_profiles_job_id"), table_name="profiles")
     op.drop_table("profiles")
