@@ -9,6 +9,7 @@ dashboard's redirect to its sign-in page; numbers are exact statuses.
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import re
@@ -80,6 +81,8 @@ class World:
     agent: int
     agent_name: str
     idle_agent: int
+    profile: int  # of `job`, complete: its rank 0 sent a trace
+    scaling: int  # a scaling run of the owner's
     counter: Iterator[int] = field(default_factory=itertools.count)
 
 
@@ -107,6 +110,30 @@ def job_file(w: World) -> dict[str, Any]:
 
 def study_file(w: World) -> dict[str, Any]:
     return {"spec": (None, json.dumps(study_body()), "application/json")}
+
+
+def scaling_files(w: World) -> dict[str, Any]:
+    spec = {"name": "x", "entrypoint": "python t.py", "resources": {"nodes": 1}}
+    return {
+        "spec": (None, json.dumps(spec), "application/json"),
+        "request": (None, json.dumps({"nodes": [1], "steps": 5}), "application/json"),
+    }
+
+
+def trace_bytes() -> bytes:
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 10}]
+    return gzip.compress(json.dumps({"traceEvents": events}).encode())
+
+
+def spare_profile(w: World, admin: httpx.Client) -> None:
+    """A fresh profile of `job` for the delete row to name (`w.spare_profile`): one at a time
+    records, so whatever still records is deleted first."""
+    for profile in admin.get(f"/api/v1/jobs/{w.job}/profiles").json():
+        if profile["state"] == "recording":
+            assert admin.delete(f"/api/v1/jobs/{w.job}/profiles/{profile['id']}").status_code == 204
+    created = admin.post(f"/api/v1/jobs/{w.job}/profiles", json={})
+    assert created.status_code == 201, created.text
+    w.spare_profile = created.json()["id"]  # type: ignore[attr-defined]
 
 
 def readd_spare(w: World, admin: httpx.Client) -> None:
@@ -146,6 +173,26 @@ ROWS = [
     # holding is an admin's: the team's or the cluster's (the owner pauses instead); 409 for an ended job
     Row("POST", "/api/v1/jobs/{job_id}/hold", MANAGE_TEAM, at("/api/v1/jobs/{w.ended}/hold")),
     Row("POST", "/api/v1/jobs/{job_id}/release", MANAGE_TEAM, at("/api/v1/jobs/{w.ended}/release")),
+    Row("POST", "/api/v1/jobs/{job_id}/profiles", ACT, at("/api/v1/jobs/{w.job}/profiles"), json=lambda w: {}),
+    Row("GET", "/api/v1/jobs/{job_id}/profiles", READ, at("/api/v1/jobs/{w.job}/profiles")),
+    Row("GET", "/api/v1/jobs/{job_id}/profiles/{profile_id}", READ, at("/api/v1/jobs/{w.job}/profiles/{w.profile}")),
+    Row(
+        "GET",
+        "/api/v1/jobs/{job_id}/profiles/{profile_id}/ranks/{rank}/trace",
+        READ,
+        at("/api/v1/jobs/{w.job}/profiles/{w.profile}/ranks/0/trace"),
+    ),
+    Row(
+        "DELETE",
+        "/api/v1/jobs/{job_id}/profiles/{profile_id}",
+        ACT,
+        lambda w: f"/api/v1/jobs/{w.job}/profiles/{w.spare_profile}",  # type: ignore[attr-defined]
+        before=spare_profile,
+    ),
+    Row("POST", "/api/v1/scaling", ANY_USER, at("/api/v1/scaling"), files=scaling_files),
+    Row("GET", "/api/v1/scaling", ANY_USER, at("/api/v1/scaling")),
+    Row("GET", "/api/v1/scaling/{run_id}", READ, at("/api/v1/scaling/{w.scaling}")),
+    Row("POST", "/api/v1/scaling/{run_id}/cancel", ACT, at("/api/v1/scaling/{w.scaling}/cancel")),
     Row("GET", "/api/v1/queue", ANY_USER, at("/api/v1/queue")),
     Row("GET", "/api/v1/usage", ANY_USER, at("/api/v1/usage")),
     # --- REST: studies
@@ -212,6 +259,13 @@ ROWS = [
         REPORT,
         at("/api/v1/allocations/{w.allocation}/metrics"),
         json=lambda w: {"records": [{"rank": 0, "step": next(w.counter), "time": 1.0, "values": {"loss": 1.0}}]},
+    ),
+    Row(
+        "PUT",
+        "/api/v1/allocations/{allocation_id}/profiles/{profile_id}/ranks/{rank}",
+        REPORT,
+        at("/api/v1/allocations/{w.allocation}/profiles/{w.profile}/ranks/0"),
+        json=lambda w: {"message": "answered already: a no-op"},
     ),
     Row(
         "POST",
@@ -292,6 +346,13 @@ ROWS = [
     Row("GET", "/jobs/{job_id}/logs", PAGE_READ, at("/jobs/{w.job}/logs")),
     Row("GET", "/jobs/{job_id}/checkpoints/{step}/archive", PAGE_READ, at("/jobs/{w.job}/checkpoints/1/archive")),
     Row("POST", "/jobs/{job_id}/{action}", PAGE_ACT, at("/jobs/{w.ended}/kill"), form=lambda w: {}),
+    Row("POST", "/jobs/{job_id}/profile", PAGE_ACT, at("/jobs/{w.job}/profile"), form=lambda w: {}),
+    Row(
+        "GET",
+        "/jobs/{job_id}/profiles/{profile_id}/ranks/{rank}/trace",
+        PAGE_READ,
+        at("/jobs/{w.job}/profiles/{w.profile}/ranks/0/trace"),
+    ),
     Row("GET", "/jobs/{job_id}/events", PAGE_READ, at("/jobs/{w.ended}/events")),
     Row("GET", "/events/jobs", PAGE, at("/events/jobs")),
     Row("GET", "/studies", PAGE, at("/studies")),
@@ -399,6 +460,15 @@ def make_world(live: str, settings: Settings) -> World:
         ).status_code
         == 201
     )
+    profile = admin.post(f"/api/v1/jobs/{job_ids[0]}/profiles", json={"steps": 2}, headers=owner).json()["id"]
+    traced = admin.put(
+        f"/api/v1/allocations/{by_job[job_ids[0]]['allocation_id']}/profiles/{profile}/ranks/0",
+        content=trace_bytes(),
+        headers={**rank, "Content-Type": "application/gzip"},
+    )
+    assert traced.status_code == 204, traced.text
+    scaling = admin.post("/api/v1/scaling", files=scaling_files(None), headers=owner)  # type: ignore[arg-type]
+    assert scaling.status_code == 201 and scaling.json()["team"] == "t", scaling.text
     admin.close()
     return World(
         url=live,
@@ -411,6 +481,8 @@ def make_world(live: str, settings: Settings) -> World:
         agent=registered["id"],
         agent_name="host",
         idle_agent=idle["id"],
+        profile=profile,
+        scaling=scaling.json()["id"],
     )
 
 
