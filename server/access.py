@@ -173,6 +173,10 @@ def scaling_run_to_change(session: Session, principal: Principal, run_id: int) -
     return run
 
 
+def may_cancel_scaling_run(session: Session, principal: Principal, run: ScalingRun) -> bool:
+    return _may_act(session, principal, run.owner_id, run.team_id)
+
+
 def visible_scaling_runs(principal: Principal) -> Select[ScalingRun]:
     query = select(ScalingRun).options(selectinload(ScalingRun.owner))
     if principal.is_admin:

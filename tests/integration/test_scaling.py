@@ -20,6 +20,7 @@ from server.settings import Settings
 from tests.agent_tokens import as_agent
 from tests.integration.test_access import new_user
 from tests.integration.test_api import USER, register
+from tests.integration.test_dashboard import sign_in
 
 pytestmark = pytest.mark.integration
 
@@ -115,6 +116,11 @@ def test_a_run_measures_each_size_in_turn_and_compares_it_with_the_smallest(
     assert two["comm_fraction"] == pytest.approx(0.2) and two["bytes_per_step"] == 4000.0
     assert client.get(f"/api/v1/jobs/{second_job}", headers=USER).json()["state"] == "CANCELLED"
     assert client.post(f"/api/v1/scaling/{run['id']}/cancel", headers=USER).status_code == 409
+
+    sign_in(client)  # the dashboard draws the same table, with a bar per size
+    page = client.get(f"/scaling/{run['id']}").text
+    assert "COMPLETED" in page and 'title="efficiency 80 %"' in page and f'href="/jobs/{second_job}"' in page
+    assert f'href="/scaling/{run["id"]}"' in client.get("/scaling").text
 
 
 def test_a_size_whose_job_fails_fails_the_run_saying_why(client: TestClient, settings: Settings) -> None:
