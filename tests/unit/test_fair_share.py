@@ -204,6 +204,7 @@ def test_preemption_takes_borrowed_slots_only_and_no_more_than_the_fit_needs(
     staying = holdings(sharing, staying=True)
     held = holdings(sharing)
     by_preemptor: dict[int, list[RunningJob]] = {}
+    position = {job_id: number for number, job_id in enumerate(result.order)}
     for preemption in result.preemptions:
         victim, job = running[preemption.job_id], by_id[preemption.for_job_id]
         by_preemptor.setdefault(job.job_id, []).append(victim)
@@ -211,7 +212,14 @@ def test_preemption_takes_borrowed_slots_only_and_no_more_than_the_fit_needs(
         assert victim.slot_type == job.slot_type and victim.team != job.team
         assert not victim.leaving and victim.runtime_s >= sharing.min_runtime_s
         assert victim.job_id != job.preempted_by, "a job preempted the job that preempted it"
-        assert staying[victim.team] > victim_quota.guarantee.get("cpu", 0), "the victim's team was not borrowing"
+        # what the victim's team holds when the preemptor's turn comes: its jobs placed before it count
+        placed_before = sum(
+            size(by_id[p.job_id])
+            for p in result.placements
+            if by_id[p.job_id].team == victim.team and position[p.job_id] < position[job.job_id]
+        )
+        held_then = staying[victim.team] + placed_before
+        assert held_then > victim_quota.guarantee.get("cpu", 0), "the victim's team was not borrowing"
         assert held[job.team] + size(job) <= quota.guarantee.get("cpu", 0), "the preemptor was past its guarantee"
         assert preemption.job_id not in [p.job_id for p in result.placements]
         assert job.job_id in result.waiting and "preempted" in result.waiting[job.job_id]
@@ -231,6 +239,14 @@ def test_preemption_takes_borrowed_slots_only_and_no_more_than_the_fit_needs(
         assert fits(job, with_all), "its victims do not make room for it"
         if any(run.leaving for run in sharing.running):
             continue  # which stopping jobs a preemptor counts on depends on the jobs before it
+        earlier = result.order[: result.order.index(job_id)]
+        placed = {p.job_id: p for p in result.placements}
+        if any(other not in placed for other in earlier):
+            continue  # an earlier job that waits may hold slots (a reservation, its own preemption)
+        for other in earlier:  # what the jobs placed before it took was not there for it
+            for node in placed[other].nodes:
+                free[node.agent_id] -= len(node.slot_indices)
+                with_all[node.agent_id] -= len(node.slot_indices)
         for spared in chosen:  # every victim is needed
             without = dict(with_all)
             for agent_id, count in spared.slots:
