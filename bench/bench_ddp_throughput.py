@@ -79,14 +79,18 @@ def run_timing(
     repeat: int = 5,
     epochs: int = DEFAULT_EPOCHS,
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+    warmup_rounds: int = 1,
 ) -> dict[str, object]:
     """Rounds of three runs on one stack, their order rotating: plain, Phalanx with the
-    communication figures (the default), Phalanx without them."""
+    communication figures (the default), Phalanx without them. The first `warmup_rounds` are run
+    and left out: a fresh stack's first minute (its workers' first tasks, the database's first
+    pages, the fork-server's first forks) slowed the first Phalanx runs by up to a third, and
+    what a job pays to start is `bench_start_latency.py`'s row, not this one's."""
     no_timing = {"ddp": {"timing": False}}
     sides = ["plain", "timing", "no_timing"]
     runs: dict[str, list[float]] = {side: [] for side in sides}
     with stack(backend) as running:
-        for round_number in range(repeat):
+        for round_number in range(-warmup_rounds, repeat):
             order = sides[round_number % 3 :] + sides[: round_number % 3]
             for side in order:
                 wait_quiet(running.pids)
@@ -97,6 +101,9 @@ def run_timing(
                     update = None if side == "timing" else no_timing
                     figure = phalanx_run(running, epochs, checkpoint_every=checkpoint_every, spec_update=update)
                 runs[side].append(figure.steps_per_second)
+            if round_number < 0:
+                log(f"{backend} warm-up round: " + ", ".join(f"{s} {runs[s].pop():.1f}" for s in sides))
+                continue
             log(f"{backend} {round_number + 1}/{repeat}: " + ", ".join(f"{s} {runs[s][-1]:.1f}" for s in sides))
     timing, bare, plain = (median(runs[s]) for s in ("timing", "no_timing", "plain"))
     return {

@@ -31,7 +31,7 @@ import ijson
 from phalanx import schemas
 
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024
-MAX_EVENTS = 2_000_000
+MAX_EVENTS = 1_000_000  # ~230 MiB of spans at most: what one upload may cost the server
 STEP_PREFIX = "ProfilerStep#"
 # Collectives as the profiler names them on the host: torch's dispatch of a c10d op, and each
 # backend's own record of the work (gloo runs it on its own threads, NCCL on the device).
@@ -88,7 +88,7 @@ def summarise(events: Iterable[Any]) -> schemas.TraceSummary:
     comm_kernels: list[Span] = []
     host: dict[Any, list[Span]] = defaultdict(list)
     host_comm: dict[Any, list[Span]] = defaultdict(list)
-    everything: list[Span] = []
+    first_start, last_end, timed = math.inf, -math.inf, False
     for count, event in enumerate(events):
         if count >= MAX_EVENTS:
             raise TraceRefused(f"the trace has more than {MAX_EVENTS:,} events; profile fewer steps")
@@ -96,7 +96,7 @@ def summarise(events: Iterable[Any]) -> schemas.TraceSummary:
         if span is None:
             continue
         name, category, thread = str(event.get("name", "")), event.get("cat"), event.get("tid")
-        everything.append(span)
+        first_start, last_end, timed = min(first_start, span[0]), max(last_end, span[1]), True
         if name.startswith(STEP_PREFIX):
             steps.append(span)
             step_threads[_hashable(thread)] += 1
@@ -107,10 +107,10 @@ def summarise(events: Iterable[Any]) -> schemas.TraceSummary:
                 host_comm[_hashable(thread)].append(span)
             else:
                 host[_hashable(thread)].append(span)
-    if not everything:
+    if not timed:
         raise TraceRefused("the trace holds no timed events; was the profiler running during the steps?")
 
-    window = union(steps) if steps else [(min(s for s, _ in everything), max(e for _, e in everything))]
+    window = union(steps) if steps else [(first_start, last_end)]
     if kernels or comm_kernels:
         device = "cuda"
         compute = union(kernels)
