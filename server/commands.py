@@ -14,6 +14,7 @@ passes and study drivers that must follow are noted by the rules and carried out
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import BinaryIO
 
 from sqlalchemy import select
@@ -34,15 +35,23 @@ def _owner(principal: Principal) -> int:
     return principal.user_id
 
 
+def _store_bundle_for(
+    session: Session, settings: Settings, principal: Principal, team_name: str | None, bundle: BinaryIO | None
+) -> tuple[str | None, int]:
+    """Store the upload once the principal may start work in `team_name` (a refusal stores nothing);
+    the transaction that creates the work checks the team again."""
+    with session.begin():
+        teams.team_for_new_work(session, principal, team_name)
+    return store_bundle(settings, bundle) if bundle is not None else (None, 0)
+
+
 def submit_job(
     session: Session, settings: Settings, principal: Principal, spec: schemas.JobSpec, bundle: BinaryIO | None
 ) -> schemas.JobView:
     """Store the code bundle and queue the job (422 when no agents could ever host it; nothing is
     created then)."""
     checkpoints.check_storage(spec.checkpoint.storage, settings)
-    with session.begin():
-        team = teams.team_for_new_work(session, principal, spec.team)
-    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    sha, size = _store_bundle_for(session, settings, principal, spec.team, bundle)
     with session.begin():
         # the team again, in the transaction that creates the job (membership may have changed)
         team = teams.team_for_new_work(session, principal, spec.team)
@@ -108,9 +117,7 @@ def start_scaling(
     """Store the code bundle and start the run: its smallest size's job is queued (422 when some
     size could never fit; nothing is created then)."""
     checkpoints.check_storage(spec.checkpoint.storage, settings)
-    with session.begin():
-        team = teams.team_for_new_work(session, principal, spec.team)
-    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    sha, size = _store_bundle_for(session, settings, principal, spec.team, bundle)
     with session.begin():
         team = teams.team_for_new_work(session, principal, spec.team)
         spec = spec.model_copy(update={"team": team.name if team else None})
@@ -124,6 +131,15 @@ def cancel_scaling(session: Session, principal: Principal, run_id: int) -> schem
         run = access.scaling_run_to_change(session, principal, run_id)
         scaling.cancel_run(session, run)
         return scaling.view(session, run)
+
+
+def profile_trace_path(
+    session: Session, settings: Settings, principal: Principal, job_id: int, profile_id: int, rank: int
+) -> Path:
+    """Where rank `rank`'s trace of the job's profile lies (for a download), or 404."""
+    with session.begin():
+        access.job_for(session, principal, job_id)
+        return profiles.trace_path(settings, profiles.get_profile(session, job_id, profile_id), rank, session)
 
 
 def committed_checkpoint_path(session: Session, principal: Principal, job_id: int, step: int) -> str:
@@ -147,9 +163,7 @@ def submit_study(
     trial, or its grid is too large; nothing is created then); its driver starts after the commit."""
     checkpoints.check_storage(spec.trial.checkpoint.storage, settings, "trial.checkpoint.storage")
     studies.check_grid(spec, settings.max_grid_combinations)
-    with session.begin():
-        team = teams.team_for_new_work(session, principal, spec.team)
-    sha, size = store_bundle(settings, bundle) if bundle is not None else (None, 0)
+    sha, size = _store_bundle_for(session, settings, principal, spec.team, bundle)
     with session.begin():
         team = teams.team_for_new_work(session, principal, spec.team)
         spec = spec.model_copy(update={"team": team.name if team else None})

@@ -190,9 +190,7 @@ def download_trace(
     job_id: RowId, profile_id: RowId, rank: RankNumber, session: SessionDep, settings: SettingsDep, user: UserDep
 ) -> FileResponse:
     """One rank's trace as `.json.gz`: Perfetto (ui.perfetto.dev) and chrome://tracing open it."""
-    with session.begin():
-        access.job_for(session, user, job_id)
-        path = profiles.trace_path(settings, profiles.get_profile(session, job_id, profile_id), rank, session)
+    path = commands.profile_trace_path(session, settings, user, job_id, profile_id, rank)
     return FileResponse(
         path,
         media_type="application/gzip",

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
-from server import access, checkpoints, commands, profiles, views
+from server import access, checkpoints, commands, views
 from server.api.deps import RankNumber, RowId, SessionDep, SettingsDep, Step
 from server.auth import Principal
 from server.dashboard import metric_series
@@ -145,12 +145,9 @@ def profile_trace(
     job_id: RowId, profile_id: RowId, rank: RankNumber, session: SessionDep, settings: SettingsDep, user: SignedIn
 ) -> Response:
     """One rank's gzipped Chrome trace, for the download links of a job's page."""
-    with session.begin():
-        access.job_for(session, user, job_id)
-        path = profiles.trace_path(settings, profiles.get_profile(session, job_id, profile_id), rank, session)
-    return FileResponse(
-        path, media_type="application/gzip", filename=f"job-{job_id}-profile-{profile_id}-rank-{rank}.json.gz"
-    )
+    path = commands.profile_trace_path(session, settings, user, job_id, profile_id, rank)
+    name = f"job-{job_id}-profile-{profile_id}-rank-{rank}.json.gz"
+    return FileResponse(path, media_type="application/gzip", filename=name)
 
 
 JOB_ACTIONS = ("kill", "pause", "resume", "hold", "release")
