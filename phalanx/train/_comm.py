@@ -267,11 +267,18 @@ class CommMonitor:
         comm = statistics.fmean(s[1] for s in self._samples)
         exposed = statistics.fmean(s[2] for s in self._samples)
         micro_batches = max(forwards / steps, 1.0)  # gradient accumulation: one all-reduce per step
+        compute *= micro_batches
+        # The sampled iterations may run slower than the window's average step (a busy moment,
+        # the sample's own timers): the parts of a step never add up to more than the step.
+        room = max(step_time - waited / steps, 0.0)
+        if compute + exposed > room > 0:
+            scale = room / (compute + exposed)
+            compute, exposed = compute * scale, exposed * scale
         self._report(
             {
                 STEP_TIME: step_time,
                 DATA_TIME: waited / steps,
-                COMPUTE_TIME: compute * micro_batches,
+                COMPUTE_TIME: compute,
                 COMM_EXPOSED: exposed,
                 COMM_TIME: comm,
                 COMM_BYTES: self._bytes_per_step(steps),
