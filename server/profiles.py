@@ -140,7 +140,10 @@ def record_answer(
     error: str | None = None,
 ) -> bool:
     """Store a rank's trace (or its error); False when the rank had answered already (the first
-    answer stands). Once every rank has, the attempt's request is cleared."""
+    answer stands). Once every rank has, the attempt's request is cleared. The profile's row lock
+    orders the answers: two last answers racing would each count the other's as missing, and
+    leave the request standing."""
+    session.refresh(profile, with_for_update=True)
     make = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     stored = session.execute(
         make(ProfileTrace)

@@ -234,3 +234,38 @@ def test_a_stale_write_is_refused_not_applied(one_slot: TestClient, settings: Se
         with pytest.raises(IllegalTransition, match="became CANCELLED while this request moved it from QUEUED"):
             transition(stale, job, JobState.SCHEDULED, "placed")
     assert job_row(settings, job_id).state == "CANCELLED"
+
+
+def test_the_last_two_profile_answers_racing_still_clear_the_request(client: TestClient, settings: Settings) -> None:
+    """Each answer counts the answers so far; the profile's row lock makes the second count see
+    the first's, so the attempt's request is cleared and the next profile may be asked for."""
+    from server import profiles
+    from server.models import Profile
+    from tests.integration.test_api import USER
+
+    register(client, "n2", slots=2)
+    job_id = submit(client, spec(resources={"nodes": 1, "slots_per_node": 2})).json()["id"]
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+    asked = client.post(f"/api/v1/jobs/{job_id}/profiles", json={"steps": 2}, headers=USER)
+    assert asked.status_code == 201, asked.text
+    profile_id = asked.json()["id"]
+
+    def answer(rank: int) -> Callable[[Session], bool]:
+        def record(session: Session) -> bool:
+            profile = session.get(Profile, profile_id)
+            assert profile is not None
+            return profiles.record_answer(session, profile, rank, error=f"rank {rank}: no profiler here")
+
+        return record
+
+    with held(settings) as session:
+        assert answer(0)(session)
+        session.flush()
+        second = Racer(answer(1), settings.database_url)
+        assert second.finished_or_blocked() == "blocked"
+    assert second.join() is True
+    with session_scope(settings.database_url) as session:
+        allocation = attempts.active_allocation(session, job_id)
+        assert allocation is not None and allocation.profile_request is None
+    assert client.get(f"/api/v1/jobs/{job_id}/profiles/{profile_id}", headers=USER).json()["state"] == "complete"
