@@ -25,8 +25,13 @@ from server.task_names import (
     REAP_TASK,
     SCHEDULE_TASK,
 )
-from server.task_queue import enqueuer
+from server.task_queue import PendingPasses, enqueuer
 from server.wakeups import Publisher, publish_after_commit
+
+
+@lru_cache(maxsize=1)
+def _pending() -> PendingPasses:
+    return PendingPasses.for_settings(get_settings())
 
 
 @lru_cache(maxsize=1)
@@ -34,12 +39,15 @@ def _sessions() -> sessionmaker[Session]:
     """This process's sessions; each commit carries out the wake-ups and tasks it noted."""
     settings = get_settings()
     sessions = session_factory(settings.database_url)
-    publish_after_commit(sessions, Publisher(settings.redis_url, settings.wake_dir), enqueuer(current_app))
+    publish_after_commit(sessions, Publisher(settings.redis_url, settings.wake_dir), enqueuer(current_app, _pending()))
     return sessions
 
 
 @shared_task(name=SCHEDULE_TASK)  # type: ignore[untyped-decorator]
 def schedule() -> int:
+    """One placement pass. Requests that come from now on need a pass of their own: this one may
+    read before their commits (`task_queue.PendingPasses`)."""
+    _pending().clear(SCHEDULE_TASK)
     with _sessions().begin() as session:
         woken = service.schedule_pass(session)
     return len(woken)

@@ -10,7 +10,9 @@ Functions flush, never commit, and note their effects in the session.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Literal
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -87,18 +89,30 @@ def register_agent(session: Session, registration: AgentRegistration, proven_age
     return agent, agent_token(agent.id, secret)
 
 
-def heartbeat(session: Session, agent_id: int) -> None:
-    """Stamp the agent's heartbeat with the database clock; a LOST agent must register again."""
-    result = session.execute(
-        update(Agent)
-        .where(Agent.id == agent_id, Agent.state != AgentState.LOST.value)
-        .values(last_heartbeat=utcnow())
-        .returning(Agent.id)
-    ).scalar_one_or_none()
-    if result is None:
-        if session.get(Agent, agent_id) is None:
-            raise NotFound(f"agent {agent_id} is not registered; register it first")
-        raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
+# Why a heartbeat did not count: the agent is not registered, or it was declared LOST.
+HeartbeatRefusal = Literal["unknown", "lost"]
+
+
+def heartbeat_many(session: Session, agent_ids: Sequence[int]) -> dict[int, HeartbeatRefusal]:
+    """Stamp the agents' heartbeats with the database clock in one statement; returns the ones that
+    did not count and why (a LOST agent must register again). Rows are locked in id order, so two
+    servers' batches never deadlock."""
+    if not agent_ids:
+        return {}
+    live = (
+        select(Agent.id)
+        .where(Agent.id.in_(agent_ids), Agent.state != AgentState.LOST.value)
+        .order_by(Agent.id)
+        .with_for_update()
+    )
+    stamped = set(
+        session.scalars(update(Agent).where(Agent.id.in_(live)).values(last_heartbeat=utcnow()).returning(Agent.id))
+    )
+    missing = [i for i in agent_ids if i not in stamped]
+    if not missing:
+        return {}
+    known = set(session.scalars(select(Agent.id).where(Agent.id.in_(missing))))
+    return {i: "lost" if i in known else "unknown" for i in missing}
 
 
 def drain_agent(session: Session, agent: Agent) -> None:

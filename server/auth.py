@@ -28,6 +28,10 @@ from server.models import Agent, Allocation, ApiToken, User, utcnow
 # How long a process trusts a token it looked up: a revoked or expired token stops working within
 # this (at once in the process that revoked it).
 _CACHE_SECONDS = 5.0
+# An agent's own token is replaced only when the agent registers again, which the replica that
+# registers it applies at once; other replicas may accept the old one this long. 5 s would cost
+# a thousand agents 200 lookups a second.
+_AGENT_CACHE_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,8 @@ class TokenCache:
         with self._lock:
             if len(self._entries) > 10_000:
                 self._entries.clear()
-            self._entries[token_hash] = (time.monotonic() + _CACHE_SECONDS, principal)
+            seconds = _AGENT_CACHE_SECONDS if principal.kind == "agent" else _CACHE_SECONDS
+            self._entries[token_hash] = (time.monotonic() + seconds, principal)
 
 
 RANK_TOKEN_PREFIX = "phx_r_"
@@ -83,6 +88,18 @@ AGENT_TOKEN_PREFIX = "phx_n_"
 def agent_token_id(agent_id: int) -> int:
     """The `Principal.token_id` of an agent's own token (apart from every other token's)."""
     return -(2**31) - agent_id
+
+
+def agent_principal(agent_id: int) -> Principal:
+    """Who an agent's own token makes its caller."""
+    return Principal(
+        kind="agent",
+        token_id=agent_token_id(agent_id),
+        name=f"agent {agent_id}",
+        user_id=None,
+        is_admin=False,
+        agent_id=agent_id,
+    )
 
 
 def agent_token(agent_id: int, secret: str) -> str:
@@ -143,16 +160,7 @@ def lookup(session: Session, token: str) -> Principal | None:
         return _rank_principal(session, token)
     if token.startswith(AGENT_TOKEN_PREFIX):
         agent_id = agent_id_of(session, token)
-        if agent_id is None:
-            return None
-        return Principal(
-            kind="agent",
-            token_id=agent_token_id(agent_id),
-            name=f"agent {agent_id}",
-            user_id=None,
-            is_admin=False,
-            agent_id=agent_id,
-        )
+        return None if agent_id is None else agent_principal(agent_id)
     row = session.execute(
         select(ApiToken, User)
         .outerjoin(User, ApiToken.user_id == User.id)

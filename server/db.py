@@ -37,7 +37,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         sqlite_pragmas(engine)
         return engine
     if "poolclass" not in kwargs:
-        kwargs.setdefault("pool_size", 10)
+        # Kept open: under load, connections over pool_size are opened and closed per request,
+        # and each is a PostgreSQL backend forked and torn down (a third of the server's time at
+        # 1,000 agents before, bench/bench_scale.py). 40 is the server's worker threads.
+        kwargs.setdefault("pool_size", 20)
         kwargs.setdefault("max_overflow", 20)
     return create_engine(url, pool_pre_ping=True, **kwargs)
 

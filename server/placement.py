@@ -69,6 +69,7 @@ __all__ = [
     "Sharing",
     "TeamQuota",
     "never_fits",
+    "never_fits_counted",
     "place",
 ]
 
@@ -705,11 +706,19 @@ def never_fits(nodes: int, slots_per_node: int, slot_type: str, agents: Sequence
 
     Raises ``ValueError`` on malformed agents (see the module doc).
     """
+    of_type = _group_agents(agents).get(slot_type, [])
+    big_enough = sum(1 for agent in of_type if agent.capacity >= slots_per_node)
+    return never_fits_counted(nodes, slots_per_node, slot_type, len(of_type), big_enough)
+
+
+def never_fits_counted(
+    nodes: int, slots_per_node: int, slot_type: str, agents_of_type: int, big_enough: int
+) -> str | None:
+    """`never_fits` from two counts: the agents that offer `slot_type`, and how many of them have at
+    least `slots_per_node` of it (a database can count them without sending every agent)."""
     invalid = _invalid_request(nodes, slots_per_node)
     if invalid is not None:
         return invalid
-    of_type = _group_agents(agents).get(slot_type, [])
-    big_enough = sum(1 for agent in of_type if agent.capacity >= slots_per_node)
-    if of_type and big_enough >= nodes:
+    if agents_of_type and big_enough >= nodes:
         return None
-    return _never_fits_reason(nodes, slots_per_node, slot_type, bool(of_type), big_enough)
+    return _never_fits_reason(nodes, slots_per_node, slot_type, bool(agents_of_type), big_enough)

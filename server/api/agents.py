@@ -61,31 +61,44 @@ def register(
             id=agent.id, name=agent.name, state=schemas.AgentState(agent.state), agent_token=token
         )
     services.token_cache.forget(auth.agent_token_id(agent.id))  # its previous token stops at once here
+    # Known at once: a cluster of agents that registers together must not then look each new
+    # token up on its first heartbeat and long-poll.
+    services.token_cache.put(auth.hash_token(token), auth.agent_principal(agent.id))
     return answer
 
 
 @router.post("/{agent_id}/heartbeat", status_code=204)
-def heartbeat(agent_id: RowId, session: SessionDep, principal: AgentDep) -> Response:
+async def heartbeat(agent_id: RowId, services: ServicesDep, principal: AgentDep) -> Response:
+    """Stamped with the database clock, together with the heartbeats other agents sent meanwhile
+    (`server/heartbeats.py`); 409 once the agent was declared lost (register again)."""
     access.agent_acts_as(principal, agent_id)
-    with session.begin():
-        agents.heartbeat(session, agent_id)
+    await services.heartbeats.beat(agent_id)
     return Response(status_code=204)
 
 
 def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.AgentWork:
     with session.begin():
-        if session.get(Agent, agent_id) is None:
-            raise NotFound(f"agent {agent_id} is not registered; register it first")
+        # One query answers both whether the agent exists and what it runs: a thousand agents'
+        # long-polls re-read this every 20 s, and all at once after a server restart.
         rows = session.execute(
-            select(AllocationNode, Allocation, Job)
-            .join(Allocation, AllocationNode.allocation_id == Allocation.id)
-            .join(Job, Allocation.job_id == Job.id)
-            .where(AllocationNode.agent_id == agent_id, AllocationNode.state != schemas.NodeState.EXITED.value)
+            select(Agent.id, AllocationNode, Allocation, Job)
+            .select_from(Agent)
+            .outerjoin(
+                AllocationNode,
+                (AllocationNode.agent_id == Agent.id) & (AllocationNode.state != schemas.NodeState.EXITED.value),
+            )
+            .outerjoin(Allocation, AllocationNode.allocation_id == Allocation.id)
+            .outerjoin(Job, Allocation.job_id == Job.id)
+            .where(Agent.id == agent_id)
             .options(selectinload(Allocation.nodes))
             .order_by(AllocationNode.id)
         ).all()
+        if not rows:
+            raise NotFound(f"agent {agent_id} is not registered; register it first")
         assignments = []
-        for node, allocation, job in rows:
+        for _, node, allocation, job in rows:
+            if node is None:
+                continue
             spec = schemas.JobSpec.model_validate(job.spec)
             assignments.append(
                 schemas.Assignment(

@@ -1,0 +1,635 @@
+"""The control plane at cluster size: simulated agents against one server and one scheduler.
+
+    python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
+                                [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 10] [--json]
+
+A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
+process and one scheduler process, as `phalanx server` and `phalanx scheduler` run them. Everything
+else is simulated in this process with asyncio, no torch:
+
+- `--agents` agents of `--slots` CPU slots each speak the real agent protocol: register with the
+  cluster's agent token (`--register-rate` a second), heartbeat every 2 s (the agents' default),
+  long-poll for work; for each node they are given: rendezvous (node rank 0), started, one log batch, then
+  one metric batch every `--metrics-interval` seconds from the node's ranks with the attempt's own
+  credential, and exit 0 after `--job-seconds` (±50 %). A node told to stop exits as stopped.
+- The backlog: `--jobs` jobs of one slot, `--gangs` of them gangs of 2 nodes x `--slots` slots, in a
+  team whose queue is held while they are submitted (8 submitters in parallel), then released at
+  once; later a submitter tops the queue up so that it never runs dry.
+- A reader asks for the jobs list (newest 100) and one random job, alternately, 10 times a second,
+  and the agents list once a second.
+
+Phases: register the agents, submit the backlog, release it and time the fill (allocations counted
+in the database every 0.1 s until the count stops rising for 2 s or the cluster is full:
+`placements_per_s` is the placements of the fill over its time, database writes included), then
+`--steady-seconds` of steady state in which jobs end and are replaced. Latencies are measured by
+the simulated clients, round trip included; the heartbeat's over the whole run after registration,
+the reader's while at least `--jobs` jobs are stored. Database writes per second come from
+`pg_stat_database` over the steady state.
+
+Prints progress on stderr and, as its last stdout line, one JSON object (see `GOALS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import contextlib
+
+import aiohttp
+import psutil
+import psycopg
+
+from bench._common import (
+    ADMIN_TOKEN,
+    AGENT_TOKEN,
+    REDIS_URL,
+    BenchError,
+    ProcessGroup,
+    fresh_database,
+    keep_logs_on_failure,
+    log,
+    start_server,
+    without_phalanx_env,
+)
+from stack.supervisor import free_port
+
+API = "/api/v1"
+TEAM = "scale"
+HEARTBEAT_INTERVAL_S = 2.0  # the agents' default (worker_agent.agent.AgentConfig)
+WORK_WAIT_S = 20.0  # the agents' long-poll, capped by the server's work_poll_seconds
+READS_PER_S = 10.0
+RECONNECTS = 2
+PROGRESS_S = 10.0
+SUBMITTERS = 8
+# The fill ends when the allocation count stopped rising for this long.
+FILL_PLATEAU_S = 2.0
+FIRST_PLACEMENT_TIMEOUT_S = 120.0
+GOALS = {
+    "placements_per_s": (">=", 1000.0),
+    "heartbeat_p99_ms": ("<=", 100.0),
+    "api_p99_ms": ("<=", 150.0),
+    "server_rss_mb": ("<=", 600.0),
+}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Tally:
+    """What the simulated clients saw: latencies per route, answers that were not 2xx."""
+
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    statuses: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    recording: set[str] = field(default_factory=set)  # routes whose latencies count now
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def note(self, route: str, status: int, seconds: float) -> None:
+        self.calls[route] += 1
+        if route in self.recording:
+            self.latencies[route].append(seconds * 1000)
+        if status >= 300:
+            self.statuses[f"{route} {status}"] += 1
+
+    def p(self, route: str, q: float) -> float | None:
+        value = percentile(self.latencies[route], q)
+        return None if value is None else round(value, 1)
+
+
+class Api:
+    """One keep-alive connection pool for every simulated client; each call is timed per route."""
+
+    def __init__(self, url: str, tally: Tally) -> None:
+        self.url = url
+        self.tally = tally
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=WORK_WAIT_S + 30),
+        )
+
+    async def call(
+        self, route: str, method: str, path: str, token: str, *, expect: tuple[int, ...] = (200, 201, 204), **kw: Any
+    ) -> Any:
+        headers = {"Authorization": f"Bearer {token}"}
+        started = time.perf_counter()
+        for attempt in range(RECONNECTS + 1):
+            try:
+                async with self.http.request(method, self.url + API + path, headers=headers, **kw) as answer:
+                    body = await answer.read()
+                break
+            except aiohttp.ServerDisconnectedError:
+                # a kept-alive connection the server closed as it was reused: send again, as
+                # the agent's own client does
+                if attempt == RECONNECTS:
+                    raise
+        self.tally.note(route, answer.status, time.perf_counter() - started)
+        if answer.status not in expect:
+            raise ApiFailed(route, answer.status, body[:300].decode(errors="replace"))
+        return json.loads(body) if body else None
+
+    async def close(self) -> None:
+        await self.http.close()
+
+
+class ApiFailed(RuntimeError):
+    def __init__(self, route: str, status: int, text: str) -> None:
+        super().__init__(f"{route}: {status} {text}")
+        self.status = status
+
+
+@dataclass
+class Node:
+    """One node of one allocation on a simulated agent."""
+
+    assignment: dict[str, Any]
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    rendezvous: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SimulatedAgent:
+    def __init__(self, sim: Simulation, index: int) -> None:
+        self.sim = sim
+        self.name = f"sim-{index:05d}"
+        self.agent_id = 0
+        self.token = ""
+        self.nodes: dict[int, Node] = {}
+        self.version = ""
+
+    async def register(self) -> None:
+        answer = await self.sim.api.call(
+            "register",
+            "POST",
+            "/agents/register",
+            AGENT_TOKEN,
+            json={
+                "name": self.name,
+                "address": "127.0.0.1",
+                "cpu_slots": self.sim.args.slots,
+                "agent_token": self.token or None,  # proves it is this agent coming back
+            },
+        )
+        self.agent_id, self.token = answer["id"], answer["agent_token"]
+
+    async def heartbeats(self) -> None:
+        while True:
+            began = time.monotonic()
+            try:
+                await self.sim.api.call("heartbeat", "POST", f"/agents/{self.agent_id}/heartbeat", self.token)
+            except ApiFailed as exc:
+                self.sim.note_error("heartbeat", exc)
+                if exc.status == 409:  # declared lost: register again, as the agent does
+                    self.sim.reregistered += 1
+                    await self.register()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                self.sim.note_error("heartbeat", exc)
+            await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
+
+    async def work(self) -> None:
+        while True:
+            try:
+                answer = await self.sim.api.call(
+                    "work",
+                    "GET",
+                    f"/agents/{self.agent_id}/work",
+                    self.token,
+                    params={"version": self.version, "wait": str(WORK_WAIT_S)},
+                )
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                self.sim.note_error("work", exc)
+                await asyncio.sleep(1.0)
+                continue
+            self.version = answer["version"]
+            self.reconcile(answer["assignments"])
+
+    def reconcile(self, assignments: list[dict[str, Any]]) -> None:
+        seen = set()
+        for a in assignments:
+            key = a["allocation_id"] * 1000 + a["node_rank"]
+            seen.add(key)
+            node = self.nodes.get(key)
+            if node is None:
+                node = self.nodes[key] = Node(a)
+                self.sim.spawn(self.run_node(key, node))
+            node.assignment = a
+            if a["master_port"] is not None:
+                node.rendezvous.set()
+            if a["desired"] != "run":
+                node.stop.set()
+        for key in set(self.nodes) - seen:  # the server forgot it: the node ended
+            self.nodes.pop(key).stop.set()
+
+    async def run_node(self, key: int, node: Node) -> None:
+        a = node.assignment
+        allocation, rank = a["allocation_id"], a["node_rank"]
+        base = f"/agents/{self.agent_id}/allocations/{allocation}"
+        try:
+            if rank == 0:
+                await self.sim.api.call(
+                    "rendezvous", "POST", f"{base}/rendezvous", self.token, json={"master_port": 29500}
+                )
+            elif not await wait_or_stop(node.rendezvous, node.stop):
+                return
+            await self.sim.api.call("started", "POST", f"{base}/started", self.token, json={"node_rank": rank})
+            lines = [{"rank": rank, "stream": "stdout", "time": time.time(), "line": f"step {i}"} for i in range(5)]
+            await self.sim.api.call("logs", "POST", f"{base}/logs", self.token, json={"lines": lines})
+            stopped = await self.train(node, random.uniform(0.5, 1.5) * self.sim.args.job_seconds)
+            exit_body = {"node_rank": rank, "exit_code": 0, "cause": "stopped" if stopped else "run"}
+            await self.sim.api.call("exit", "POST", f"{base}/exit", self.token, json=exit_body, expect=(204, 409))
+            if not stopped:
+                self.sim.completed_nodes += 1
+        except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+            self.sim.note_error("node", exc)
+        finally:
+            self.nodes.pop(key, None)
+
+    async def train(self, node: Node, seconds: float) -> bool:
+        """Report metrics from the node's ranks until `seconds` passed (False) or it was told to stop
+        (True)."""
+        a = node.assignment
+        credential = a["credential"]
+        ranks = range(a["node_rank"] * a["nproc_per_node"], (a["node_rank"] + 1) * a["nproc_per_node"])
+        deadline = time.monotonic() + seconds
+        step = 0
+        while True:
+            wait = min(self.sim.args.metrics_interval, deadline - time.monotonic())
+            if wait <= 0:
+                return False
+            try:
+                await asyncio.wait_for(node.stop.wait(), wait)
+                return True
+            except TimeoutError:
+                pass
+            step += 10
+            now = time.time()
+            records = [{"rank": r, "step": step, "time": now, "values": {"loss": 1.0 / step}} for r in ranks]
+            await self.sim.api.call(
+                "metrics",
+                "POST",
+                f"/allocations/{a['allocation_id']}/metrics",
+                credential,
+                json={"records": records},
+                expect=(200, 204, 409),
+            )
+
+
+async def wait_or_stop(ready: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Until `ready` (True) or `stop` (False) is set."""
+    waits = [asyncio.create_task(ready.wait()), asyncio.create_task(stop.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    return ready.is_set()
+
+
+class Simulation:
+    def __init__(
+        self, args: argparse.Namespace, url: str, database_url: str, pids: Callable[[], dict[str, int]]
+    ) -> None:
+        self.args = args
+        self.tally = Tally()
+        self.api = Api(url, self.tally)
+        self.dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
+        self.pids = pids
+        self.agents = [SimulatedAgent(self, i) for i in range(args.agents)]
+        self.tasks: list[asyncio.Task[None]] = []
+        self.errors: dict[str, int] = defaultdict(int)
+        self.error_examples: dict[str, str] = {}
+        self.completed_nodes = 0
+        self.reregistered = 0  # agents declared lost that registered again
+        self.submitted = 0
+        self.rss_mb = 0.0
+        self.stored_jobs = 0
+
+    def note_error(self, where: str, exc: BaseException) -> None:
+        key = f"{where}: {type(exc).__name__}"
+        self.errors[key] += 1
+        self.error_examples.setdefault(key, str(exc)[:300])
+
+    def spawn(self, coroutine: Awaitable[None]) -> None:
+        self.tasks.append(asyncio.ensure_future(coroutine))
+
+    async def admin(self, method: str, path: str, **kw: Any) -> Any:
+        return await self.api.call("admin", method, path, ADMIN_TOKEN, **kw)
+
+    async def register_agents(self) -> float:
+        """Agents come up at `--register-rate` a second, each heartbeating and long-polling from
+        its registration on, as a cluster's agents do when their machines start."""
+        began = time.monotonic()
+
+        async def one(agent: SimulatedAgent) -> None:
+            await agent.register()
+            self.spawn(agent.heartbeats())
+            self.spawn(agent.work())
+
+        starting = []
+        for i, agent in enumerate(self.agents):
+            await asyncio.sleep(max(0.0, began + i / self.args.register_rate - time.monotonic()))
+            starting.append(asyncio.ensure_future(one(agent)))
+        await asyncio.gather(*starting)
+        return time.monotonic() - began
+
+    def job_spec(self, index: int, gang: bool) -> str:
+        nodes, slots = (2, self.args.slots) if gang else (1, 1)
+        return json.dumps(
+            {
+                "name": f"scale-{index}",
+                "team": TEAM,
+                "entrypoint": "python train.py",
+                "resources": {"nodes": nodes, "slots_per_node": slots, "slot_type": "cpu"},
+            }
+        )
+
+    async def submit(self, count: int, gangs: int) -> float:
+        """Submit `count` jobs, `gangs` of them gangs spread evenly; returns the seconds it took."""
+        began = time.monotonic()
+        every = max(1, count // gangs) if gangs else 0
+        numbers = itertools.count(self.submitted)
+        remaining = iter(range(count))
+
+        async def submitter() -> None:
+            for i in remaining:
+                form = aiohttp.FormData()
+                form.add_field("spec", self.job_spec(next(numbers), bool(every) and i % every == every - 1))
+                await self.api.call("submit", "POST", "/jobs", ADMIN_TOKEN, data=form)
+                self.submitted += 1
+                if self.submitted % 2000 == 0:
+                    log(f"submitted {self.submitted} jobs")
+
+        await asyncio.gather(*(submitter() for _ in range(SUBMITTERS)))
+        return time.monotonic() - began
+
+    async def count(self, sql: str) -> int:
+        async with await psycopg.AsyncConnection.connect(self.dsn) as conn:
+            row = await (await conn.execute(sql)).fetchone()
+            return int(row[0]) if row else 0
+
+    async def fill(self) -> dict[str, float]:
+        """Release the held backlog; time the scheduler until it stops placing."""
+        capacity = self.args.agents * self.args.slots
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+
+            async def placed() -> int:
+                row = await (await conn.execute("SELECT count(*) FROM allocations")).fetchone()
+                return int(row[0]) if row else 0
+
+            async def slots_held() -> int:
+                row = await (await conn.execute("SELECT count(*) FROM slot_leases")).fetchone()
+                return int(row[0]) if row else 0
+
+            before = await placed()
+            released = time.monotonic()
+            await self.admin("POST", f"/teams/{TEAM}/release")
+            last, last_rise, peak_held = before, released, 0
+            while True:
+                await asyncio.sleep(0.1)
+                now_count = await placed()
+                if now_count > last:
+                    last, last_rise = now_count, time.monotonic()
+                peak_held = max(peak_held, await slots_held())
+                if peak_held >= capacity or (last > before and time.monotonic() - last_rise > FILL_PLATEAU_S):
+                    break
+                if time.monotonic() - released > FIRST_PLACEMENT_TIMEOUT_S and last == before:
+                    raise BenchError(f"nothing was placed within {FIRST_PLACEMENT_TIMEOUT_S:.0f} s of the release")
+            seconds = last_rise - released
+        placements = last - before
+        return {
+            "placements": placements,
+            "fill_s": round(seconds, 2),
+            "placements_per_s": round(placements / seconds, 1),
+            "peak_slots_held": peak_held,
+            "slots": capacity,
+        }
+
+    async def reader(self, stop: asyncio.Event) -> None:
+        """The jobs list and one random job, alternately; the agents list once a second."""
+        tick = 0
+        while not stop.is_set():
+            tick += 1
+            try:
+                if tick % 2:
+                    await self.api.call("jobs list", "GET", "/jobs", ADMIN_TOKEN, params={"limit": "100"})
+                else:
+                    job_id = random.randint(1, max(1, self.submitted))
+                    await self.api.call("job show", "GET", f"/jobs/{job_id}", ADMIN_TOKEN)
+                if tick % int(READS_PER_S) == 0:
+                    await self.api.call("agents list", "GET", "/agents", ADMIN_TOKEN)
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                self.note_error("reader", exc)
+            await asyncio.sleep(1 / READS_PER_S)
+
+    async def keep_backlog(self, stop: asyncio.Event) -> None:
+        """Top the queue up to `--jobs` queued jobs every few seconds."""
+        while not stop.is_set():
+            queued = await self.count("SELECT count(*) FROM jobs WHERE state = 'QUEUED'")
+            if queued < self.args.jobs:
+                try:
+                    await self.submit(min(self.args.jobs - queued, 200), 0)
+                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                    self.note_error("submit", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 3.0)
+
+    async def progress(self, stop: asyncio.Event) -> None:
+        """Every 10 s on stderr: the heartbeats' latency since the last line, active agents, jobs."""
+        seen = 0
+        calls_before: dict[str, int] = {}
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), PROGRESS_S)
+            latencies = self.tally.latencies["heartbeat"][seen:]
+            seen += len(latencies)
+            active = await self.count("SELECT count(*) FROM agents WHERE state = 'ACTIVE'")
+            running = await self.count("SELECT count(*) FROM allocations WHERE active")
+            calls = {k: v - calls_before.get(k, 0) for k, v in self.tally.calls.items()}
+            calls_before = dict(self.tally.calls)
+            log(f"calls in the last {PROGRESS_S:.0f} s: {calls}")
+            log(
+                f"heartbeats {len(latencies)} (p50 {percentile(latencies, 0.5) or 0:.0f} ms, "
+                f"p99 {percentile(latencies, 0.99) or 0:.0f} ms); {active} agents active; {running} attempts "
+                f"running; {self.submitted} jobs submitted; errors {dict(self.errors)}"
+            )
+
+    async def watch_rss(self, stop: asyncio.Event) -> None:
+        server = psutil.Process(self.pids()["server"])
+        while not stop.is_set():
+            self.rss_mb = max(self.rss_mb, server.memory_info().rss / 2**20)
+            await asyncio.sleep(0.5)
+
+    async def database_writes(self) -> tuple[int, int]:
+        """(commits, rows inserted + updated + deleted) of the bench's database so far."""
+        async with await psycopg.AsyncConnection.connect(self.dsn) as conn:
+            row = await (
+                await conn.execute(
+                    "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted FROM pg_stat_database "
+                    "WHERE datname = current_database()"
+                )
+            ).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    async def run(self) -> dict[str, Any]:
+        args = self.args
+        await self.admin("POST", "/teams", json={"name": TEAM})
+        await self.admin("POST", f"/teams/{TEAM}/hold")
+        registered_s = await self.register_agents()
+        log(f"{args.agents} agents registered in {registered_s:.1f} s")
+        self.tally.recording.add("heartbeat")
+        stop = asyncio.Event()
+        self.spawn(self.watch_rss(stop))
+        self.spawn(self.progress(stop))
+        submit_s = await self.submit(args.jobs, args.gangs)
+        log(f"{args.jobs} jobs submitted in {submit_s:.1f} s ({args.jobs / submit_s:.0f}/s)")
+        self.tally.recording |= {"jobs list", "job show", "agents list"}
+        self.spawn(self.reader(stop))
+        fill = await self.fill()
+        log(f"fill: {fill}")
+        self.spawn(self.keep_backlog(stop))
+        cpu_before = self.cpu_seconds()
+        commits_before, rows_before = await self.database_writes()
+        steady_began = time.monotonic()
+        completed_before = self.completed_nodes
+        await asyncio.sleep(args.steady_seconds)
+        steady_s = time.monotonic() - steady_began
+        commits_after, rows_after = await self.database_writes()
+        cpu_after = self.cpu_seconds()
+        stop.set()
+        self.stored_jobs = await self.count("SELECT count(*) FROM jobs")
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.api.close()
+        heartbeats = len(self.tally.latencies["heartbeat"])
+        reads = self.tally.latencies["jobs list"] + self.tally.latencies["job show"]
+        return {
+            "bench": "scale",
+            "agents": args.agents,
+            "slots_per_agent": args.slots,
+            "jobs_stored": self.stored_jobs,
+            "register_s": round(registered_s, 1),
+            "submit_per_s": round(args.jobs / submit_s, 1),
+            **fill,
+            "heartbeats": heartbeats,
+            "agents_declared_lost": self.reregistered,
+            "heartbeat_p50_ms": self.tally.p("heartbeat", 0.5),
+            "heartbeat_p99_ms": self.tally.p("heartbeat", 0.99),
+            "api_p50_ms": None if not reads else round(percentile(reads, 0.5) or 0, 1),
+            "api_p99_ms": None if not reads else round(percentile(reads, 0.99) or 0, 1),
+            "jobs_list_p99_ms": self.tally.p("jobs list", 0.99),
+            "job_show_p99_ms": self.tally.p("job show", 0.99),
+            "agents_list_p99_ms": self.tally.p("agents list", 0.99),
+            "server_rss_mb": round(self.rss_mb, 1),
+            "steady_s": round(steady_s, 1),
+            "db_commits_per_s": round((commits_after - commits_before) / steady_s, 1),
+            "db_rows_written_per_s": round((rows_after - rows_before) / steady_s, 1),
+            "nodes_completed_per_s": round((self.completed_nodes - completed_before) / steady_s, 2),
+            # cores busy on average over the steady state, of the machine's 2 (`machine`: all of them)
+            "cores_busy_steady": {
+                name: round((cpu_after.get(name, 0) - cpu_before.get(name, 0)) / steady_s, 2) for name in cpu_after
+            },
+            "non_2xx": dict(self.tally.statuses),
+            "client_errors": dict(self.errors),
+            "client_error_examples": self.error_examples,
+        }
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the server, the scheduler and this simulator, and of the whole
+        machine: what is left is PostgreSQL's, Redis's and anything else running."""
+        totals: dict[str, float] = {}
+        roots = {name: pid for name, pid in self.pids().items() if name in ("server", "scheduler")}
+        roots["simulator"] = os.getpid()
+        for name, pid in roots.items():
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            totals[name] = t.user + t.system
+        machine = psutil.cpu_times()
+        totals["machine"] = machine.user + machine.system + machine.nice + getattr(machine, "softirq", 0.0)
+        return totals
+
+
+def met(result: dict[str, Any]) -> dict[str, bool]:
+    verdicts = {}
+    for key, (op, goal) in GOALS.items():
+        value = result.get(key)
+        verdicts[key] = value is not None and (value >= goal if op == ">=" else value <= goal)
+    return verdicts
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with fresh_database("phalanx_scale") as database_url, tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
+        env = {
+            **without_phalanx_env(),
+            "PHALANX_DATA_DIR": str(Path(tmp) / "data"),
+            "PHALANX_DATABASE_URL": database_url,
+            "PHALANX_BROKER_URL": REDIS_URL,
+            "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
+            "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
+            # one work long-poll per agent is held open, beside the reader's requests
+            "PHALANX_MAX_HELD_REQUESTS": str(args.agents + 256),
+        }
+        group = ProcessGroup(Path(tmp) / "logs", env)
+        with keep_logs_on_failure(group.logs):
+            try:
+                url = start_server(group, free_port())
+                group.spawn("scheduler", "scheduler")
+
+                def pids() -> dict[str, int]:
+                    return {name: popen.pid for name, popen in group.supervisor.children.items()}
+
+                async def simulate() -> dict[str, Any]:  # aiohttp binds to the running loop
+                    return await Simulation(args, url, database_url, pids).run()
+
+                result = asyncio.run(simulate())
+                group.check()
+            finally:
+                group.close()
+    result["goals"] = {k: f"{op} {goal:g}" for k, (op, goal) in GOALS.items()}
+    result["met"] = met(result)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--slots", type=int, default=8, help="CPU slots per agent")
+    parser.add_argument("--register-rate", type=float, default=100.0, help="agents registering per second")
+    parser.add_argument("--jobs", type=int, default=10_000, help="the backlog of queued jobs")
+    parser.add_argument("--gangs", type=int, default=100, help="of the backlog: gangs of 2 nodes x all slots")
+    parser.add_argument("--job-seconds", type=float, default=60.0, help="a node's run time (+-50%%)")
+    parser.add_argument("--steady-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--metrics-interval", type=float, default=60.0, help="seconds between a node's metric batches (real ranks: 1 s)"
+    )
+    parser.add_argument("--json", action="store_true", help="only the JSON line on stdout (it is always the last)")
+    args = parser.parse_args()
+    result = run(args)
+    if not args.json:
+        for key in GOALS:
+            log(f"{key}: {result.get(key)} (goal {result['goals'][key]}, {'met' if result['met'][key] else 'missed'})")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

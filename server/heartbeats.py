@@ -1,0 +1,77 @@
+"""Group commit for agent heartbeats: one transaction stamps every heartbeat that arrived while
+the previous one was being written.
+
+At 1,000 agents a 2 s heartbeat is 500 requests a second; written one transaction each, they
+took the server and PostgreSQL's two cores and fell over ten seconds behind, and the reaper then
+declared every agent lost (`bench/bench_scale.py`, RESULTS.md "Control-plane scale"). Batched,
+they are a few transactions a second however many agents there are.
+
+Contract: `beat(agent_id)` returns once the heartbeat is in the database, exactly as a write of its
+own would (so its answer still says whether it counted): it raises `NotFound` for an agent that
+is not registered and `Conflict` for one declared LOST. An idle server writes a lone heartbeat at
+once; heartbeats that arrive during a write wait for it to finish and go in the next, so under
+load the batches grow instead of the queue. One per server process, used from its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import sessionmaker
+
+from server.agents import HeartbeatRefusal, heartbeat_many
+from server.db import make_engine
+from server.errors import Conflict, NotFound
+
+
+@lru_cache(maxsize=8)
+def _engine(database_url: str) -> Engine:
+    """One per database and process, kept like `db.engine_for`'s (the apps of a test run share it)."""
+    return make_engine(database_url, pool_size=1, max_overflow=0)
+
+
+class HeartbeatBatcher:
+    """`database_url`: the batcher opens one connection of its own to it (see `__init__`)."""
+
+    def __init__(self, database_url: str) -> None:
+        # A connection and a thread of their own: behind the routes' shared pool and worker threads
+        # (a thousand long-polls re-reading at once when agents start or a server restarts),
+        # heartbeats waited past the agents' timeout and the reaper declared them lost.
+        self._sessions = sessionmaker(_engine(database_url), expire_on_commit=False)
+        self._waiting: dict[int, list[asyncio.Future[HeartbeatRefusal | None]]] = {}
+        self._writer: asyncio.Task[None] | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
+
+    async def beat(self, agent_id: int) -> None:
+        answer: asyncio.Future[HeartbeatRefusal | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(agent_id, []).append(answer)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_while_waiting())
+        refusal = await answer
+        if refusal == "unknown":
+            raise NotFound(f"agent {agent_id} is not registered; register it first")
+        if refusal == "lost":
+            raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
+
+    async def _write_while_waiting(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, {}
+            try:
+                refused = await asyncio.get_running_loop().run_in_executor(self._thread, self._write, sorted(batch))
+            except Exception as exc:  # the database is down: every waiting heartbeat fails as its own would
+                for answers in batch.values():
+                    for answer in answers:
+                        if not answer.done():
+                            answer.set_exception(exc)
+                continue
+            for agent_id, answers in batch.items():
+                for answer in answers:
+                    if not answer.done():  # its request may have been cancelled
+                        answer.set_result(refused.get(agent_id))
+
+    def _write(self, agent_ids: list[int]) -> dict[int, HeartbeatRefusal]:
+        with self._sessions() as session, session.begin():
+            return heartbeat_many(session, agent_ids)

@@ -1,0 +1,41 @@
+"""The control-plane simulator (bench/bench_scale.py) in a small configuration, so that it never
+rots: 50 simulated agents speaking the real protocol to a real server and scheduler on PostgreSQL
+and Redis, a backlog larger than the cluster, jobs that end and are replaced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_simulator_fills_a_cluster_and_keeps_it_busy_without_a_server_error() -> None:
+    agents, slots, jobs = 50, 8, 500
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "bench_scale.py"),
+            *("--agents", str(agents), "--slots", str(slots), "--jobs", str(jobs), "--gangs", "5"),
+            *("--job-seconds", "4", "--steady-seconds", "20", "--metrics-interval", "2", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["agents"] == agents
+    # The backlog holds more one-slot jobs than the cluster has slots: the fill leaves none free.
+    assert result["peak_slots_held"] == agents * slots, result
+    assert result["placements_per_s"] > 0
+    assert result["jobs_stored"] >= jobs
+    assert result["nodes_completed_per_s"] > 0, "no job ended and was replaced in the steady state"
+    assert result["heartbeats"] > agents and result["heartbeat_p99_ms"] is not None
+    assert result["api_p99_ms"] is not None and result["agents_list_p99_ms"] is not None
+    assert result["db_commits_per_s"] > 0
+    assert not [k for k in result["non_2xx"] if k.split()[-1].startswith("5")], result["non_2xx"]
+    assert result["client_errors"] == {}, result["client_error_examples"]
