@@ -75,6 +75,7 @@ HEARTBEAT_INTERVAL_S = 2.0  # the agents' default (worker_agent.agent.AgentConfi
 WORK_WAIT_S = 20.0  # the agents' long-poll, capped by the server's work_poll_seconds
 READS_PER_S = 10.0
 RECONNECTS = 2
+ENDED_OK = (204, 409)
 PROGRESS_S = 10.0
 SUBMITTERS = 8
 # The fill ends when the allocation count stopped rising for this long.
@@ -244,13 +245,17 @@ class SimulatedAgent:
         allocation, rank = a["allocation_id"], a["node_rank"]
         base = f"/agents/{self.agent_id}/allocations/{allocation}"
         try:
+            # 409: the attempt ended meanwhile (its agent was declared lost, a peer failed): the
+            # agent stops the node, as the real one does
             if rank == 0:
+                port = {"master_port": 29500}
                 await self.sim.api.call(
-                    "rendezvous", "POST", f"{base}/rendezvous", self.token, json={"master_port": 29500}
+                    "rendezvous", "POST", f"{base}/rendezvous", self.token, json=port, expect=ENDED_OK
                 )
             elif not await wait_or_stop(node.rendezvous, node.stop):
                 return
-            await self.sim.api.call("started", "POST", f"{base}/started", self.token, json={"node_rank": rank})
+            started = {"node_rank": rank}
+            await self.sim.api.call("started", "POST", f"{base}/started", self.token, json=started, expect=ENDED_OK)
             lines = [{"rank": rank, "stream": "stdout", "time": time.time(), "line": f"step {i}"} for i in range(5)]
             await self.sim.api.call("logs", "POST", f"{base}/logs", self.token, json={"lines": lines})
             stopped = await self.train(node, random.uniform(0.5, 1.5) * self.sim.args.job_seconds)
@@ -422,7 +427,7 @@ class Simulation:
         }
 
     async def reader(self, stop: asyncio.Event) -> None:
-        """The jobs list and one random job, alternately; the agents list once a second."""
+        """The jobs list and one random job, alternately."""
         tick = 0
         while not stop.is_set():
             tick += 1
@@ -432,11 +437,18 @@ class Simulation:
                 else:
                     job_id = random.randint(1, max(1, self.submitted))
                     await self.api.call("job show", "GET", f"/jobs/{job_id}", ADMIN_TOKEN)
-                if tick % int(READS_PER_S) == 0:
-                    await self.api.call("agents list", "GET", "/agents", ADMIN_TOKEN)
             except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
                 self.note_error("reader", exc)
             await asyncio.sleep(1 / READS_PER_S)
+
+    async def agents_reader(self, stop: asyncio.Event) -> None:
+        """The agents list (every agent) once a second."""
+        while not stop.is_set():
+            try:
+                await self.api.call("agents list", "GET", "/agents", ADMIN_TOKEN)
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                self.note_error("reader", exc)
+            await asyncio.sleep(1.0)
 
     async def keep_backlog(self, stop: asyncio.Event) -> None:
         """Top the queue up to `--jobs` queued jobs every few seconds."""
@@ -502,6 +514,7 @@ class Simulation:
         log(f"{args.jobs} jobs submitted in {submit_s:.1f} s ({args.jobs / submit_s:.0f}/s)")
         self.tally.recording |= {"jobs list", "job show", "agents list"}
         self.spawn(self.reader(stop))
+        self.spawn(self.agents_reader(stop))
         fill = await self.fill()
         log(f"fill: {fill}")
         self.spawn(self.keep_backlog(stop))

@@ -5,17 +5,19 @@ Each pass runs in one transaction owned by the caller; what must follow its comm
 another scheduling pass) is noted in the session, and each returns the agents it woke.
 Concurrency: on PostgreSQL a transaction-scoped advisory lock serialises passes, so two scheduler
 processes never place against the same view of free slots; SQLite's `BEGIN IMMEDIATE` does the same
-there. The pass locks the QUEUED jobs it reads (`FOR UPDATE SKIP LOCKED`): a job that a kill or a
-pause holds is left for the next pass instead of being placed from a stale read. The
-`slot_leases` primary key would reject a double-booking even if all that ever failed.
+there. The pass reads the queue without locks (10,000 row locks a pass are 10,000 tuple writes in
+PostgreSQL), then locks the jobs it places, still QUEUED, `FOR UPDATE SKIP LOCKED`: a job that a
+kill or a pause holds or moved meanwhile is left for the next pass instead of being placed from a
+stale read. The `slot_leases` primary key would reject a double-booking even if all that ever
+failed.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import select, text
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
-from phalanx.schemas import AgentState, JobSpec, JobState
+from phalanx.schemas import AgentState, JobState
 from server import agents as agent_rules
 from server import sharing
 from server.attempts import (
@@ -26,13 +28,13 @@ from server.attempts import (
     lock_attempt,
     lock_job,
     preempt_attempt,
-    start_attempt,
+    start_attempts,
 )
 from server.models import Agent, Allocation, Job
 from server.placement import Preemption, place
 from server.settings import Settings, get_settings
-from server.transitions import db_now, record_event, set_wait_reason
-from server.wakeups import noted_agents
+from server.transitions import db_now, record_event, set_wait_reasons
+from server.wakeups import note_schedule, noted_agents
 
 SCHEDULER_LOCK_KEY = 0x7068_616C  # "phal"
 
@@ -46,17 +48,7 @@ def schedule_pass(session: Session, settings: Settings | None = None) -> set[int
     """Place queued gangs on free slots by fair share, and preempt borrowed slots for the jobs a
     team's guarantee entitles. Returns the agents that got work."""
     _serialise(session)
-    # A job whose previous attempt still has workers waits for them: never two attempts at once.
-    still_running = select(Allocation.job_id).where(Allocation.active.is_(True))
-    queued = list(
-        session.scalars(
-            select(Job)
-            .where(Job.state == JobState.QUEUED.value, Job.id.not_in(still_running))
-            .order_by(Job.id)
-            .with_for_update(skip_locked=True, of=Job)
-            .execution_options(populate_existing=True)
-        )
-    )
+    queued = sharing.queued_jobs(session)
     if not queued:
         return set()
     agents = list(session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value).order_by(Agent.id)))
@@ -64,16 +56,36 @@ def schedule_pass(session: Session, settings: Settings | None = None) -> set[int
     settings = settings or get_settings()
     now = db_now(session)
     policy = sharing.load_sharing(session, now, settings)
-    result = place(sharing.pending_jobs(session, queued), agent_rules.agent_slot_views(session, agents), policy)
-    jobs = {j.id: j for j in queued}
-    for placement in result.placements:
-        start_attempt(session, jobs[placement.job_id], placement, by_id)
+    result = place([q.pending for q in queued], agent_rules.agent_slot_views(session, agents), policy)
+    chosen = [p.job_id for p in result.placements]
+    locked = _lock_still_queued(session, chosen)
+    placed = [(locked[p.job_id], p) for p in result.placements if p.job_id in locked]
+    if len(placed) < len(chosen):
+        note_schedule(session)  # a job killed or paused since the read left its slots to the next pass
+    start_attempts(session, placed, by_id)
     for preemption in result.preemptions:
-        _preempt(session, preemption, jobs[preemption.for_job_id], settings.preemption_grace)
-    for job_id, reason in result.waiting.items():
-        set_wait_reason(session, jobs[job_id], reason)
+        for_job = _lock_still_queued(session, [preemption.for_job_id]).get(preemption.for_job_id)
+        if for_job is not None:
+            _preempt(session, preemption, for_job, settings.preemption_grace)
+    shown = {q.pending.job_id: q.wait_reason for q in queued}
+    set_wait_reasons(session, {job_id: r for job_id, r in result.waiting.items() if shown.get(job_id) != r})
     session.flush()
     return noted_agents(session)
+
+
+def _lock_still_queued(session: Session, job_ids: list[int]) -> dict[int, Job]:
+    """The jobs among `job_ids` that are still QUEUED, locked. A job that a kill or a pause holds or
+    has moved since the pass read the queue is left out (`SKIP LOCKED`), never placed from a stale
+    read."""
+    if not job_ids:
+        return {}
+    rows = session.scalars(
+        select(Job)
+        .where(Job.id.in_(job_ids), Job.state == JobState.QUEUED.value)
+        .with_for_update(skip_locked=True, of=Job)
+        .execution_options(populate_existing=True)
+    )
+    return {job.id: job for job in rows}
 
 
 def _preempt(session: Session, preemption: Preemption, for_job: Job, grace_s: float) -> None:
@@ -101,15 +113,21 @@ def reap_pass(session: Session, heartbeat_timeout: float) -> set[int]:
 def hang_pass(session: Session) -> set[int]:
     """Restart attempts whose ranks reported no step for their job's `hang_timeout`."""
     now = db_now(session)
+    # Read from the spec by the database: this runs every 2 s, and parsing every running job's spec
+    # (thousands in a large cluster) to find the few with a timeout cost the scheduler most of a core.
+    hang_timeout = Job.spec["hang_timeout"].as_float()
     rows = session.execute(
-        select(Allocation, Job)
+        select(Allocation, Job, hang_timeout)
         .join(Job, Allocation.job_id == Job.id)
-        .where(Allocation.active.is_(True), Allocation.end_reason.is_(None), Job.state == JobState.RUNNING.value)
+        .where(
+            Allocation.active.is_(True),
+            Allocation.end_reason.is_(None),
+            Job.state == JobState.RUNNING.value,
+            hang_timeout.is_not(None),
+        )
+        .options(selectinload(Allocation.nodes))
     ).all()
-    for allocation, job in rows:
-        timeout = JobSpec.model_validate(job.spec).hang_timeout
-        if timeout is None:
-            continue
+    for allocation, job, timeout in rows:
         started = [n.started_at for n in allocation.nodes if n.started_at is not None]
         since = allocation.last_progress_at or (max(started) if started else None)
         if since is None or (now - since).total_seconds() < timeout:

@@ -89,21 +89,27 @@ def register_agent(session: Session, registration: AgentRegistration, proven_age
     return agent, agent_token(agent.id, secret)
 
 
-# Why a heartbeat did not count: the agent is not registered, or it was declared LOST.
-HeartbeatRefusal = Literal["unknown", "lost"]
+# Why a heartbeat did not count (yet): the agent is not registered, it was declared LOST, or its
+# row is locked by a transaction that may be declaring it lost ("busy": try again once it ends).
+HeartbeatOutcome = Literal["unknown", "lost", "busy"]
 
 
-def heartbeat_many(session: Session, agent_ids: Sequence[int]) -> dict[int, HeartbeatRefusal]:
+def heartbeat_many(session: Session, agent_ids: Sequence[int]) -> dict[int, HeartbeatOutcome]:
     """Stamp the agents' heartbeats with the database clock in one statement; returns the ones that
-    did not count and why (a LOST agent must register again). Rows are locked in id order, so two
-    servers' batches never deadlock."""
+    did not count and why (a LOST agent must register again). A row another transaction holds
+    for update (the reaper failing that agent's nodes, its registration) is skipped, not waited for: one
+    locked agent must not hold up the heartbeats of all the others, or they too would age past
+    the timeout. Rows are locked in id order, so two servers' batches never deadlock."""
     if not agent_ids:
         return {}
     live = (
         select(Agent.id)
         .where(Agent.id.in_(agent_ids), Agent.state != AgentState.LOST.value)
         .order_by(Agent.id)
-        .with_for_update()
+        # NO KEY UPDATE, the lock an UPDATE of a non-key column takes: plain FOR UPDATE also
+        # conflicts with the KEY SHARE locks that inserting a node or a slot lease takes on its
+        # agent, so every agent a scheduling pass had just placed work on looked locked.
+        .with_for_update(skip_locked=True, key_share=True)
     )
     stamped = set(
         session.scalars(update(Agent).where(Agent.id.in_(live)).values(last_heartbeat=utcnow()).returning(Agent.id))
@@ -111,8 +117,10 @@ def heartbeat_many(session: Session, agent_ids: Sequence[int]) -> dict[int, Hear
     missing = [i for i in agent_ids if i not in stamped]
     if not missing:
         return {}
-    known = set(session.scalars(select(Agent.id).where(Agent.id.in_(missing))))
-    return {i: "lost" if i in known else "unknown" for i in missing}
+    states = dict(session.execute(select(Agent.id, Agent.state).where(Agent.id.in_(missing))).all())
+    return {
+        i: "unknown" if i not in states else "lost" if states[i] == AgentState.LOST.value else "busy" for i in missing
+    }
 
 
 def drain_agent(session: Session, agent: Agent) -> None:

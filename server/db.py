@@ -37,10 +37,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         sqlite_pragmas(engine)
         return engine
     if "poolclass" not in kwargs:
-        # Kept open: under load, connections over pool_size are opened and closed per request,
-        # and each is a PostgreSQL backend forked and torn down (a third of the server's time at
-        # 1,000 agents before, bench/bench_scale.py). 40 is the server's worker threads.
-        kwargs.setdefault("pool_size", 20)
+        # At least the server's worker threads (`Settings.worker_threads`): connections over
+        # pool_size are opened and closed per checkout, each a PostgreSQL backend forked and torn
+        # down (with 40 threads on 10 connections, a third of the server's time at 1,000 agents).
+        kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)
     return create_engine(url, pool_pre_ping=True, **kwargs)
 

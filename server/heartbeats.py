@@ -8,7 +8,9 @@ they are a few transactions a second however many agents there are.
 
 Contract: `beat(agent_id)` returns once the heartbeat is in the database, exactly as a write of its
 own would (so its answer still says whether it counted): it raises `NotFound` for an agent that
-is not registered and `Conflict` for one declared LOST. An idle server writes a lone heartbeat at
+is not registered and `Conflict` for one declared LOST. A heartbeat whose agent's row another
+transaction holds (the reaper may be declaring it lost) waits for a later batch instead of
+holding up the whole batch. An idle server writes a lone heartbeat at
 once; heartbeats that arrive during a write wait for it to finish and go in the next, so under
 load the batches grow instead of the queue. One per server process, used from its event loop.
 """
@@ -22,7 +24,7 @@ from functools import lru_cache
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
-from server.agents import HeartbeatRefusal, heartbeat_many
+from server.agents import HeartbeatOutcome, heartbeat_many
 from server.db import make_engine
 from server.errors import Conflict, NotFound
 
@@ -33,6 +35,10 @@ def _engine(database_url: str) -> Engine:
     return make_engine(database_url, pool_size=1, max_overflow=0)
 
 
+# How soon a heartbeat whose agent's row was locked is tried again.
+BUSY_RETRY_S = 0.05
+
+
 class HeartbeatBatcher:
     """`database_url`: the batcher opens one connection of its own to it (see `__init__`)."""
 
@@ -41,37 +47,44 @@ class HeartbeatBatcher:
         # (a thousand long-polls re-reading at once when agents start or a server restarts),
         # heartbeats waited past the agents' timeout and the reaper declared them lost.
         self._sessions = sessionmaker(_engine(database_url), expire_on_commit=False)
-        self._waiting: dict[int, list[asyncio.Future[HeartbeatRefusal | None]]] = {}
+        self._waiting: dict[int, list[asyncio.Future[HeartbeatOutcome | None]]] = {}
         self._writer: asyncio.Task[None] | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
 
     async def beat(self, agent_id: int) -> None:
-        answer: asyncio.Future[HeartbeatRefusal | None] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[HeartbeatOutcome | None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(agent_id, []).append(answer)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_while_waiting())
-        refusal = await answer
-        if refusal == "unknown":
+        outcome = await answer
+        if outcome == "unknown":
             raise NotFound(f"agent {agent_id} is not registered; register it first")
-        if refusal == "lost":
+        if outcome == "lost":
             raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
 
     async def _write_while_waiting(self) -> None:
         while self._waiting:
             batch, self._waiting = self._waiting, {}
             try:
-                refused = await asyncio.get_running_loop().run_in_executor(self._thread, self._write, sorted(batch))
+                outcomes = await asyncio.get_running_loop().run_in_executor(self._thread, self._write, sorted(batch))
             except Exception as exc:  # the database is down: every waiting heartbeat fails as its own would
                 for answers in batch.values():
                     for answer in answers:
                         if not answer.done():
                             answer.set_exception(exc)
                 continue
+            busy = False
             for agent_id, answers in batch.items():
+                if outcomes.get(agent_id) == "busy":  # its row is locked: in the next batch
+                    self._waiting.setdefault(agent_id, []).extend(answers)
+                    busy = True
+                    continue
                 for answer in answers:
                     if not answer.done():  # its request may have been cancelled
-                        answer.set_result(refused.get(agent_id))
+                        answer.set_result(outcomes.get(agent_id))
+            if busy:
+                await asyncio.sleep(BUSY_RETRY_S)
 
-    def _write(self, agent_ids: list[int]) -> dict[int, HeartbeatRefusal]:
+    def _write(self, agent_ids: list[int]) -> dict[int, HeartbeatOutcome]:
         with self._sessions() as session, session.begin():
             return heartbeat_many(session, agent_ids)

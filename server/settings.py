@@ -31,6 +31,11 @@ class Settings(BaseSettings):
     max_log_batch_bytes: int = 8 * 1024 * 1024
     # One rank's gzipped profile trace (`phalanx jobs profile`); it may unpack to 16 times as much.
     max_profile_trace_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # Threads that run the routes' blocking work (their database reads and writes). A server process
+    # is one core (the GIL): past a handful, more threads add no throughput, only make each request
+    # wait longer for the GIL and starve the event loop that answers heartbeats and long-polls
+    # (at 1,000 agents with 40 threads, heartbeats waited 14 s; bench/bench_scale.py).
+    worker_threads: int = Field(8, ge=1, le=256)
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
     # on every other long-poll's wait).
     work_poll_seconds: float = Field(20.0, gt=0, le=300)

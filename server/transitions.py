@@ -16,10 +16,11 @@ session so that `wakeups.publish_after_commit` wakes their watchers once the com
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -168,6 +169,68 @@ def record_event(session: Session, job: Job, reason: str) -> None:
     state = JobState(job.state).value
     session.add(JobEvent(job_id=job.id, time=db_now(session), from_state=state, to_state=state, reason=reason))
     note_job_change(session, job.id)
+
+
+def schedule_jobs(session: Session, placed: Sequence[tuple[Job, str]]) -> None:
+    """QUEUED → SCHEDULED for every placed job (locked by the caller), each attempt counted, in one
+    UPDATE and one insert of events for a whole scheduling pass: a pass that places thousands of
+    jobs must not pay round trips per job. Raises `IllegalTransition` if any job moved meanwhile
+    (the caller's transaction then writes nothing)."""
+    if not placed:
+        return
+    for job, _ in placed:
+        if job.state != S.QUEUED.value:
+            raise IllegalTransition("job", job.id, job.state, S.SCHEDULED.value)
+    ids = [job.id for job, _ in placed]
+    now = db_now(session)
+    moved = dict(
+        session.execute(
+            update(Job)
+            .where(Job.id.in_(ids), Job.state == S.QUEUED.value)
+            .values(state=S.SCHEDULED.value, wait_reason=None, attempts=Job.attempts + 1)
+            .returning(Job.id, Job.attempts)
+            .execution_options(synchronize_session=False)
+        ).all()
+    )
+    for job, _ in placed:
+        if job.id not in moved:
+            session.refresh(job, ["state"])
+            raise IllegalTransition("job", job.id, str(job.state), S.SCHEDULED.value, raced_from=S.QUEUED.value)
+        set_committed_value(job, "state", S.SCHEDULED.value)
+        set_committed_value(job, "wait_reason", None)
+        set_committed_value(job, "attempts", moved[job.id])
+    session.execute(
+        insert(JobEvent),
+        [
+            {
+                "job_id": job.id,
+                "time": now,
+                "from_state": S.QUEUED.value,
+                "to_state": S.SCHEDULED.value,
+                "reason": reason,
+            }
+            for job, reason in placed
+        ],
+    )
+    for job_id in ids:
+        note_job_change(session, job_id)
+    for study_id in set(session.scalars(select(TuningTrial.study_id).where(TuningTrial.job_id.in_(ids)))):
+        note_study_change(session, study_id)
+
+
+def set_wait_reasons(session: Session, reasons: Mapping[int, str]) -> None:
+    """Why each QUEUED job waits (the scheduling pass's sentences), one UPDATE per distinct reason;
+    a job that left QUEUED meanwhile keeps what it has."""
+    by_reason: dict[str, list[int]] = {}
+    for job_id, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(job_id)
+    for reason, ids in by_reason.items():
+        session.execute(
+            update(Job)
+            .where(Job.id.in_(ids), Job.state == S.QUEUED.value)
+            .values(wait_reason=reason)
+            .execution_options(synchronize_session=False)
+        )
 
 
 def set_wait_reason(session: Session, job: Job, reason: str) -> None:
