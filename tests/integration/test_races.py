@@ -269,3 +269,24 @@ def test_the_last_two_profile_answers_racing_still_clear_the_request(client: Tes
         allocation = attempts.active_allocation(session, job_id)
         assert allocation is not None and allocation.profile_request is None
     assert client.get(f"/api/v1/jobs/{job_id}/profiles/{profile_id}", headers=USER).json()["state"] == "complete"
+
+
+def test_a_heartbeat_batch_skips_an_agent_another_transaction_holds(client: TestClient, settings: Settings) -> None:
+    """The reaper failing one agent's nodes (its row locked for update) must not hold up the other
+    agents' heartbeats in the same batch, nor may a pass that just placed work on an agent (a
+    key-share lock from the new node's foreign key) make its heartbeat wait or be skipped."""
+    first, second = register(client, "hb1"), register(client, "hb2")
+    with session_scope(settings.database_url) as session:
+        before = dict(session.execute(select(Agent.id, Agent.last_heartbeat)).all())
+    with held(settings) as reaper:
+        reaper.execute(select(Agent).where(Agent.id == first).with_for_update()).one()
+        with session_scope(settings.database_url) as session:
+            outcome = agents.heartbeat_many(session, [first, second])
+    assert outcome == {first: "busy"}, "the locked agent waits for a later batch; the other counts now"
+    with held(settings) as placing:
+        placing.execute(text("SELECT 1 FROM agents WHERE id = :id FOR KEY SHARE"), {"id": first}).one()
+        with session_scope(settings.database_url) as session:
+            assert agents.heartbeat_many(session, [first, second]) == {}
+    with session_scope(settings.database_url) as session:
+        after = dict(session.execute(select(Agent.id, Agent.last_heartbeat)).all())
+    assert after[first] > before[first] and after[second] > before[second]
