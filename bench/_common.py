@@ -309,18 +309,25 @@ def wait_quiet(pids: Callable[[], list[int]], timeout: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+def postgres_env(database_url: str, data_dir: Path, **settings: str) -> dict[str, str]:
+    """The environment of a stack's processes on `database_url` and the benchmarks' Redis, with the
+    benchmarks' tokens; `settings`: more PHALANX_* variables."""
+    return {
+        **without_phalanx_env(),
+        "PHALANX_DATA_DIR": str(data_dir),
+        "PHALANX_DATABASE_URL": database_url,
+        "PHALANX_BROKER_URL": REDIS_URL,
+        "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
+        "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
+        **settings,
+    }
+
+
 @contextmanager
 def postgres_stack(agents: int = 2, cpu_slots: int = 1) -> Iterator[RunningStack]:
     """Server, scheduler and agents as separate processes on a fresh PostgreSQL database + Redis."""
     with fresh_database() as database_url, tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
-        env = {
-            **without_phalanx_env(),
-            "PHALANX_DATA_DIR": str(Path(tmp) / "data"),
-            "PHALANX_DATABASE_URL": database_url,
-            "PHALANX_BROKER_URL": REDIS_URL,
-            "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
-            "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
-        }
+        env = postgres_env(database_url, Path(tmp) / "data")
         group = ProcessGroup(Path(tmp) / "logs", env)
         with keep_logs_on_failure(group.logs):
             try:

@@ -28,14 +28,12 @@ import aiohttp
 import psutil
 
 from bench._common import (
-    ADMIN_TOKEN,
     AGENT_TOKEN,
-    REDIS_URL,
     ProcessGroup,
     fresh_database,
     log,
+    postgres_env,
     start_server,
-    without_phalanx_env,
 )
 from stack.supervisor import free_port
 
@@ -100,15 +98,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
     with fresh_database("phalanx_cost") as database_url, tempfile.TemporaryDirectory(prefix="phalanx-cost-") as tmp:
-        env = {
-            **without_phalanx_env(),
-            "PHALANX_DATA_DIR": str(Path(tmp) / "data"),
-            "PHALANX_DATABASE_URL": database_url,
-            "PHALANX_BROKER_URL": REDIS_URL,
-            "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
-            "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
-        }
-        group = ProcessGroup(Path(tmp) / "logs", env)
+        group = ProcessGroup(Path(tmp) / "logs", postgres_env(database_url, Path(tmp) / "data"))
         try:
             url = start_server(group, free_port())
             results = asyncio.run(measure(url, group.supervisor.children["server"].pid, args))

@@ -58,14 +58,13 @@ import psycopg
 from bench._common import (
     ADMIN_TOKEN,
     AGENT_TOKEN,
-    REDIS_URL,
     BenchError,
     ProcessGroup,
     fresh_database,
     keep_logs_on_failure,
     log,
+    postgres_env,
     start_server,
-    without_phalanx_env,
 )
 from stack.supervisor import free_port
 
@@ -592,16 +591,8 @@ def met(result: dict[str, Any]) -> dict[str, bool]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with fresh_database("phalanx_scale") as database_url, tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
-        env = {
-            **without_phalanx_env(),
-            "PHALANX_DATA_DIR": str(Path(tmp) / "data"),
-            "PHALANX_DATABASE_URL": database_url,
-            "PHALANX_BROKER_URL": REDIS_URL,
-            "PHALANX_ADMIN_TOKEN": ADMIN_TOKEN,
-            "PHALANX_AGENT_TOKEN": AGENT_TOKEN,
-            # one work long-poll per agent is held open, beside the reader's requests
-            "PHALANX_MAX_HELD_REQUESTS": str(args.agents + 256),
-        }
+        # one work long-poll per agent is held open, beside the reader's requests
+        env = postgres_env(database_url, Path(tmp) / "data", PHALANX_MAX_HELD_REQUESTS=str(args.agents + 256))
         group = ProcessGroup(Path(tmp) / "logs", env)
         with keep_logs_on_failure(group.logs):
             try:
