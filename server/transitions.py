@@ -233,12 +233,6 @@ def set_wait_reasons(session: Session, reasons: Mapping[int, str]) -> None:
         )
 
 
-def set_wait_reason(session: Session, job: Job, reason: str) -> None:
-    """Why a QUEUED job waits (the scheduling pass's sentence); only while it is still QUEUED."""
-    if job.wait_reason != reason:
-        _compare_and_set(session, job, S.QUEUED.value, {"wait_reason": reason})
-
-
 def transition_study(session: Session, study: TuningStudy, target: StudyState, reason: str) -> None:
     """Move `study` to `target`, or raise `IllegalTransition` leaving it untouched. Keeps its
     running time (what `timeout` counts) without the time it spent STOPPED."""
