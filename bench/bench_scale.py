@@ -592,7 +592,10 @@ def met(result: dict[str, Any]) -> dict[str, bool]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with fresh_database("phalanx_scale") as database_url, tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
         # one work long-poll per agent is held open, beside the reader's requests
-        env = postgres_env(database_url, Path(tmp) / "data", PHALANX_MAX_HELD_REQUESTS=str(args.agents + 256))
+        settings = {"PHALANX_MAX_HELD_REQUESTS": str(args.agents + 256)}
+        if args.worker_threads is not None:
+            settings["PHALANX_WORKER_THREADS"] = str(args.worker_threads)
+        env = postgres_env(database_url, Path(tmp) / "data", **settings)
         group = ProcessGroup(Path(tmp) / "logs", env)
         with keep_logs_on_failure(group.logs):
             try:
@@ -625,6 +628,9 @@ def main() -> None:
     parser.add_argument("--steady-seconds", type=float, default=60.0)
     parser.add_argument(
         "--metrics-interval", type=float, default=60.0, help="seconds between a node's metric batches (real ranks: 1 s)"
+    )
+    parser.add_argument(
+        "--worker-threads", type=int, default=None, help="the server's PHALANX_WORKER_THREADS (default: its own)"
     )
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout (it is always the last)")
     args = parser.parse_args()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session, selectinload
 
-from phalanx.schemas import AgentState, JobState
+from phalanx.schemas import AgentState, JobState, NodeState
 from server import agents as agent_rules
 from server import sharing
 from server.attempts import (
@@ -30,7 +30,7 @@ from server.attempts import (
     preempt_attempt,
     start_attempts,
 )
-from server.models import Agent, Allocation, Job
+from server.models import Agent, Allocation, AllocationNode, Job
 from server.placement import Preemption, place
 from server.settings import Settings, get_settings
 from server.transitions import db_now, record_event, set_wait_reasons
@@ -51,7 +51,22 @@ def schedule_pass(session: Session, settings: Settings | None = None) -> set[int
     queued = sharing.queued_jobs(session)
     if not queued:
         return set()
-    agents = list(session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value).order_by(Agent.id)))
+    # An agent still holding a node of an attempt that restarted without it is presumed dead
+    # (`attempts._restart_without_unreported`): none of its slots are offered until it reports
+    # that node's exit or is declared lost.
+    presumed_gone = (
+        select(AllocationNode.id)
+        .join(Allocation, Allocation.id == AllocationNode.allocation_id)
+        .where(
+            AllocationNode.agent_id == Agent.id,
+            AllocationNode.state != NodeState.EXITED.value,
+            Allocation.active.is_(False),
+        )
+        .exists()
+    )
+    agents = list(
+        session.scalars(select(Agent).where(Agent.state == AgentState.ACTIVE.value, ~presumed_gone).order_by(Agent.id))
+    )
     by_id = {a.id: a for a in agents}
     settings = settings or get_settings()
     now = db_now(session)

@@ -47,7 +47,7 @@ from server.transitions import db_now, transition_study, transition_trial
 from server.wakeups import note_study_change
 
 log = logging.getLogger(__name__)
-STUDY_LOCK_NAMESPACE = 0x7374  # "st": pg_advisory_lock(namespace, study id)
+STUDY_LOCK_NAMESPACE = 0x7374  # "st": pg_try_advisory_xact_lock(namespace, study id)
 LOCK_WAIT_S = 30.0
 
 
@@ -424,8 +424,11 @@ def _fail(storage: optuna.storages.BaseStorage, trial_id: int, reason: str) -> N
 @contextmanager
 def study_lock(settings: Settings, study_id: int) -> Iterator[bool]:
     """Hold the study's lock (yields False if it could not be had within LOCK_WAIT_S). PostgreSQL:
-    a session-level advisory lock, freed by the database if this process dies. SQLite (one
-    machine): an flock on a file under the data dir."""
+    a transaction-scoped advisory lock on a connection of its own, whose transaction stays open
+    for the pass and is rolled back after it (or by the database if this process dies). Never a
+    session-level lock: behind PgBouncer in transaction mode the next transaction may run on
+    another server connection, and the lock would stay with the first. SQLite (one machine): an
+    flock on a file under the data dir."""
     if settings.is_sqlite:
         folder = settings.data_dir / "locks"
         folder.mkdir(parents=True, exist_ok=True)
@@ -439,15 +442,13 @@ def study_lock(settings: Settings, study_id: int) -> Iterator[bool]:
     with engine_for(settings.database_url).connect() as connection:
         key = {"ns": STUDY_LOCK_NAMESPACE, "id": study_id}
         deadline = time.monotonic() + LOCK_WAIT_S
-        while not connection.execute(text("SELECT pg_try_advisory_lock(:ns, :id)"), key).scalar_one():
+        while not connection.execute(text("SELECT pg_try_advisory_xact_lock(:ns, :id)"), key).scalar_one():
             connection.rollback()
             if time.monotonic() > deadline:
                 yield False
                 return
             time.sleep(0.05)
-        connection.commit()
         try:
             yield True
         finally:
-            connection.execute(text("SELECT pg_advisory_unlock(:ns, :id)"), key)
-            connection.commit()
+            connection.rollback()  # ends the transaction, and with it the lock

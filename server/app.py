@@ -70,6 +70,8 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     templates.env.filters["age"] = dashboard_render.age
     registry = CollectorRegistry()
     registry.register(ops.StateCollector(sessions))
+    holds = HeldRequests(settings.max_held_requests_per_holder, settings.max_held_requests)
+    registry.register(ops.HeldCollector(holds))
     services = Services(
         settings=settings,
         sessions=sessions,
@@ -77,7 +79,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         enqueue=enqueue,
         templates=templates,
         prometheus=registry,
-        holds=HeldRequests(settings.max_held_requests_per_holder, settings.max_held_requests),
+        holds=holds,
         heartbeats=HeartbeatBatcher(settings.database_url),
     )
     install_services(app, services)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx.schemas import JobSpec, JobState, NodeState
@@ -27,10 +28,13 @@ from server import checkpoints
 from server.errors import Conflict, NotFound
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial
 from server.placement import Placement
-from server.transitions import db_now, schedule_jobs, transition, transition_node
+from server.transitions import db_now, schedule_jobs, start_node, start_running, transition, transition_node
 from server.wakeups import note_agent_work, note_schedule
 
 RUNNING_STATES = (JobState.RUNNING.value, JobState.SCHEDULED.value)
+# An attempt restarted without the nodes that never reported: charged to the infrastructure until
+# one of them reports a failure of its own (then the job's) or its agent is declared lost (final).
+VANISHED = "vanished"
 PREEMPTED = "preempted: "  # how a preempted attempt's end reason starts (`server.sharing` reads it)
 
 
@@ -119,6 +123,90 @@ def find_node(session: Session, agent_id: int, allocation_id: int, node_rank: in
             f"node {node_rank} of allocation {allocation_id} belongs to agent {node.agent_id}, not to agent {agent_id}"
         )
     return allocation, node
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedNode:
+    """What a node's own report needs of its attempt, read as columns (no ORM objects)."""
+
+    job_id: int
+    job_state: str
+    active: bool
+    node_id: int
+    node_state: str
+
+
+def reported_node(
+    session: Session, agent_id: int, allocation_id: int, node_rank: int, *, lock_job: bool = False
+) -> ReportedNode:
+    """`find_node` in one statement, for the reports every node's start makes (rendezvous,
+    started); `lock_job` takes the job's row lock, as `lock_attempt` does, in the same statement."""
+    query = (
+        select(
+            Allocation.job_id,
+            Job.state,
+            Allocation.active,
+            AllocationNode.id,
+            AllocationNode.state,
+            AllocationNode.agent_id,
+        )
+        .select_from(Allocation)
+        .join(Job, Job.id == Allocation.job_id)
+        .outerjoin(
+            AllocationNode,
+            (AllocationNode.allocation_id == Allocation.id) & (AllocationNode.node_rank == node_rank),
+        )
+        .where(Allocation.id == allocation_id)
+    )
+    if lock_job:
+        query = query.with_for_update(of=Job)
+    row = session.execute(query).one_or_none()
+    if row is None:
+        raise NotFound(f"allocation {allocation_id} does not exist")
+    job_id, job_state, active, node_id, node_state, owner = row
+    if node_id is None:
+        raise NotFound(f"allocation {allocation_id} has no node rank {node_rank}")
+    if owner != agent_id:
+        raise Conflict(
+            f"node {node_rank} of allocation {allocation_id} belongs to agent {owner}, not to agent {agent_id}"
+        )
+    return ReportedNode(job_id, job_state, active, node_id, node_state)
+
+
+def set_rendezvous(session: Session, agent_id: int, allocation_id: int, master_port: int) -> None:
+    """Node rank 0's agent tells where its gang meets; the agents of the other nodes are woken."""
+    reported_node(session, agent_id, allocation_id, 0)
+    result: Any = session.execute(
+        update(Allocation)
+        .where(Allocation.id == allocation_id, Allocation.active)
+        .values(master_port=master_port)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        raise Conflict(f"allocation {allocation_id} has ended; its rendezvous cannot change")
+    # Rank 0's agent chose the port and knows it: waking it too would make each node's start
+    # re-read its agent's whole work (at a fill, the 8 nodes an agent starts cost 8 reads).
+    others = select(AllocationNode.agent_id).where(
+        AllocationNode.allocation_id == allocation_id, AllocationNode.node_rank != 0
+    )
+    note_agent_work(session, set(session.scalars(others)))
+
+
+def report_node_started(session: Session, agent_id: int, allocation_id: int, node_rank: int) -> None:
+    """`record_node_started` without loading the attempt: the job's row lock, the node's move,
+    and the job's once no node of its attempt is still waiting to launch."""
+    node = reported_node(session, agent_id, allocation_id, node_rank, lock_job=True)
+    if not start_node(session, node.node_id):
+        return  # idempotent: a retried report, or the node already exited
+    if node.job_state != JobState.SCHEDULED.value:
+        return
+    waiting = session.execute(
+        select(func.count())
+        .select_from(AllocationNode)
+        .where(AllocationNode.allocation_id == allocation_id, AllocationNode.state == NodeState.ASSIGNED.value)
+    ).scalar_one()
+    if waiting == 0:
+        start_running(session, node.job_id, "torchrun started on every node")
 
 
 # --- start -----------------------------------------------------------------------------------------
@@ -287,15 +375,23 @@ def _collateral(reason: str) -> bool:
     return any(marker in reason for marker in _PEER_FAILURE_MARKERS)
 
 
-def _prefer_own_failure(allocation: Allocation, failure: Failure) -> None:
+def _prefer_own_failure(job: Job, allocation: Allocation, failure: Failure) -> None:
     """A node failing after the attempt began ending may still be its cause.
 
     The first failure reported ends the attempt, but a rank's death breaks its peers' collectives
     within milliseconds, and which node reports first is a race. So a later failure whose ranks did
-    not die of a broken connection replaces a first one whose did."""
+    not die of a broken connection replaces a first one whose did. A node presumed gone with its
+    agent (`_restart_without_unreported`) that reports such a failure was alive: the restart it
+    cost moves from the infrastructure's budget to the job's."""
     current = allocation.end_reason or ""
-    if allocation.end_budget == "job" and _collateral(current) and not _collateral(failure.reason):
+    if _collateral(failure.reason):
+        return
+    if allocation.end_budget == "job" and _collateral(current):
         allocation.end_reason = failure.reason
+    elif allocation.end_budget == VANISHED:
+        allocation.end_reason, allocation.end_budget = failure.reason, "job"
+        job.infra_restarts_used = max(job.infra_restarts_used - 1, 0)
+        job.restarts_used += 1
 
 
 def _node_failure(node: AllocationNode, cause: str) -> Failure:
@@ -345,11 +441,47 @@ def record_node_exit(
     if not ending and exit_code != 0:
         end_attempt(session, job, allocation, _node_failure(node, cause))
     elif ending and exit_code != 0 and cause == "run":
-        _prefer_own_failure(allocation, _node_failure(node, cause))
+        _prefer_own_failure(job, allocation, _node_failure(node, cause))
     elif not ending and all(n.state == NodeState.EXITED.value and n.exit_code == 0 for n in allocation.nodes):
         transition(session, job, JobState.COMPLETED, "every rank exited with code 0")
     _end_allocation(session, job, allocation)
+    _restart_without_unreported(session, job, allocation)
     session.flush()
+
+
+def _restart_without_unreported(session: Session, job: Job, allocation: Allocation) -> None:
+    """Restart a gang at once when every node that reported failed because a peer vanished, and
+    the peers that have not reported are presumed gone with their agents.
+
+    Waiting for them would wait for their agents' heartbeat timeout (~10 s): the survivors' ranks
+    fail on a reset connection within a second or two of an agent's death. The unreported nodes
+    keep their slot leases, so their agents get no new work (`schedule_pass` also skips an agent
+    holding such a node) until they report their exit or are declared lost; the attempt is fenced,
+    so nothing of it can write any more. Charged to the infrastructure ("vanished", a charge still
+    open): a node that then reports a failure of its own moves the charge to the job's budget
+    (`_prefer_own_failure`), and its agent declared lost makes it final. So it is done only while
+    both budgets allow a restart."""
+    if not allocation.active or job.state != JobState.RESTARTING.value or allocation.end_budget != "job":
+        return
+    if not _collateral(allocation.end_reason or ""):
+        return
+    unreported = [n for n in allocation.nodes if n.state != NodeState.EXITED.value]
+    if not unreported or len(unreported) == len(allocation.nodes):
+        return
+    if job.restarts_used >= JobSpec.model_validate(job.spec).max_restarts:
+        return  # the charge may yet move to the job's budget: both must allow the restart
+    missing = ", ".join(f"node {n.node_rank} on agent {n.agent.name}" for n in unreported)
+    failure = Failure("infra", f"{allocation.end_reason}; {missing} did not report: presumed gone with its agent")
+    decision = decide_restart(job, failure)
+    if not decision.restart:
+        return  # no infrastructure restarts left: wait for the peers' own outcome, as before
+    allocation.end_reason, allocation.end_budget = failure.reason, VANISHED
+    allocation.active = False
+    allocation.fenced = True
+    allocation.ended_at = db_now(session)
+    job.infra_restarts_used += 1
+    transition(session, job, JobState.QUEUED, f"{decision.reason} (without waiting for {missing})")
+    note_schedule(session)
 
 
 def stop_for_user(session: Session, job: Job, target: JobState, reason: str, *, fence: bool) -> None:

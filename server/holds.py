@@ -74,6 +74,15 @@ class HeldRequests:
         with self._lock:
             return self._held.total() if holder is None else self._held[holder]
 
+    def by_kind(self) -> Counter[str]:
+        """Requests held now by kind of holder (a holder's name starts with its kind: "user",
+        "agent", ...): what `/metrics` reports of each replica."""
+        kinds: Counter[str] = Counter()
+        with self._lock:
+            for holder, count in self._held.items():
+                kinds[holder.split(" ", 1)[0]] += count
+        return kinds
+
 
 class HeldEventSource(EventSourceResponse):
     """An SSE response holding its slot from the route (acquired before the response was made, so

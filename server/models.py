@@ -209,7 +209,8 @@ class Allocation(Base):
     active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
     fenced: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     end_reason: Mapped[str | None] = mapped_column(Text)
-    end_budget: Mapped[str | None] = mapped_column(String(8))  # whose failure: "job" | "infra" | "none" (preempted)
+    # whose failure: "job" | "infra" | "none" (preempted) | "vanished" (attempts.VANISHED)
+    end_budget: Mapped[str | None] = mapped_column(String(8))
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
     # Seconds its ranks get between SIGTERM and SIGKILL when stopped; None: the agent's own grace.
     stop_grace: Mapped[float | None] = mapped_column(Float)

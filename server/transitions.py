@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -162,6 +162,47 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
     study_id = session.execute(select(TuningTrial.study_id).where(TuningTrial.job_id == job.id)).scalar_one_or_none()
     if study_id is not None:
         note_study_change(session, study_id, trial_ended=target.is_terminal)
+
+
+def start_running(session: Session, job_id: int, reason: str) -> bool:
+    """SCHEDULED → RUNNING for a job whose row the caller locked, without loading it: the last
+    node of every attempt reports its start here, thousands at once when a cluster fills. False
+    (and nothing written) when the job is no longer SCHEDULED."""
+    if not can_transition(S.SCHEDULED, S.RUNNING):
+        raise IllegalTransition("job", job_id, S.SCHEDULED.value, S.RUNNING.value)
+    moved = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == S.SCHEDULED.value)
+        .values(state=S.RUNNING.value, wait_reason=None, started_at=func.coalesce(Job.started_at, utcnow()))
+        .returning(utcnow())
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    if moved is None:
+        return False
+    session.execute(
+        insert(JobEvent).values(
+            job_id=job_id, time=moved, from_state=S.SCHEDULED.value, to_state=S.RUNNING.value, reason=reason
+        )
+    )
+    note_job_change(session, job_id)
+    study_id = session.execute(select(TuningTrial.study_id).where(TuningTrial.job_id == job_id)).scalar_one_or_none()
+    if study_id is not None:
+        note_study_change(session, study_id)
+    return True
+
+
+def start_node(session: Session, node_id: int) -> bool:
+    """ASSIGNED → RUNNING for a node, by id (the caller holds its job's row lock); False when the
+    node is no longer ASSIGNED (a report sent again, or the node exited)."""
+    if NodeState.RUNNING not in NODE_ALLOWED[NodeState.ASSIGNED]:
+        raise IllegalTransition("node", node_id, NodeState.ASSIGNED.value, NodeState.RUNNING.value)
+    result: Any = session.execute(
+        update(AllocationNode)
+        .where(AllocationNode.id == node_id, AllocationNode.state == NodeState.ASSIGNED.value)
+        .values(state=NodeState.RUNNING.value, started_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount == 1)
 
 
 def record_event(session: Session, job: Job, reason: str) -> None:

@@ -6,10 +6,12 @@ one process supervisor (stack.supervisor) that `phalanx up` uses too.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,14 +74,16 @@ class Stack:
         prefix = ["ip", "netns", "exec", netns] if netns else []
         return self.supervisor.spawn(name, [*prefix, *PHALANX, *args])
 
-    def start_server(self, host: str | None = None) -> None:
-        """Listen on loopback, or on `host` (then the stack's URL points there)."""
+    def start_server(self, host: str | None = None, name: str = "server", port: int | None = None) -> None:
+        """Listen on loopback, or on `host` (then the stack's URL points there); a replica behind
+        a balancer listens on a `port` of its own under its own `name`."""
         if host is not None:
             self.url = f"http://{host}:{self.port}"
-        self.spawn("server", "server", "--port", str(self.port), *(["--host", host] if host else []))
-        probe = Client(self.url, "")
+        port = port or self.port
+        self.spawn(name, "server", "--port", str(port), *(["--host", host] if host else []))
+        probe = Client(f"http://{host or '127.0.0.1'}:{port}", "")
         try:
-            wait_for(lambda: probe.healthy() or self._died("server"), 60, "the server to answer /healthz")
+            wait_for(lambda: probe.healthy() or self._died(name), 60, f"{name} to answer /healthz")
         finally:
             probe.close()
 
@@ -151,8 +155,9 @@ class Stack:
         return "\n".join(f"===== {name}\n{self.log(name)[-6000:]}" for name in self.procs)
 
     def close(self) -> None:
-        # agents first: they stop their workers and report while the server still listens
-        self.supervisor.close(order=[name for name in self.procs if name not in ("server", "scheduler")])
+        # agents first: they stop their workers and report while the servers still listen
+        control_plane = ("server", "scheduler")
+        self.supervisor.close(order=[name for name in self.procs if not name.startswith(control_plane)])
 
 
 def cli(stack: Stack, *args: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
@@ -252,3 +257,64 @@ def final_checksum(client: Client, job_id: int) -> str:
     sums = [line.split(":", 1)[1].strip() for line in lines if line.startswith("final-checksum:")]
     assert sums, f"rank 0 printed no checksum: {lines[-10:]}"
     return sums[-1]
+
+
+class Balancer:
+    """A TCP load balancer on loopback, as any HTTP load balancer in front of server replicas:
+    each new connection goes to the next backend in turn, and a backend that refuses the connection
+    (a dead replica) is skipped. Runs its own event loop in a thread for the `with` block."""
+
+    def __init__(self, port: int, backends: list[int]) -> None:
+        self.port = port
+        self.backends = backends
+        self.connections: dict[int, int] = dict.fromkeys(backends, 0)  # per backend, in all
+        self._turn = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="balancer", daemon=True)
+
+    def __enter__(self) -> Balancer:
+        self._thread.start()
+        started = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._relay, "127.0.0.1", self.port), self._loop
+        )
+        self._server = started.result(timeout=10)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        async def stop() -> None:
+            self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.close()
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        for _ in self.backends:
+            port = self.backends[self._turn % len(self.backends)]
+            self._turn += 1
+            try:
+                backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                continue
+            self.connections[port] += 1
+            break
+        else:
+            client_writer.close()
+            return
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except OSError:
+                pass
+            finally:
+                writer.close()  # one side gone (a killed replica): so is the other
+
+        await asyncio.gather(pipe(client_reader, backend_writer), pipe(backend_reader, client_writer))

@@ -8,21 +8,21 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import exists, insert, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import exists, func, insert, select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, agents, attempts, auth, commands, views
 from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
 from server.api.uploads import invalid_batch
-from server.checkpoints import storage_for
+from server.checkpoints import job_root
 from server.errors import Conflict, Forbidden, NotFound
 from server.ingest import batch_identity, first_delivery, from_unix
 from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogBatch, LogLine, utcnow
 from server.settings import Settings
 from server.task_names import REAP_TASK
-from server.wakeups import agent_channel, note_agent_work, note_job_data
+from server.wakeups import agent_channel, note_job_data
 
 router = APIRouter(prefix="/agents", tags=["agents"])
 # A hung peer is seen at the process-group timeout; torch's default (30 min for NCCL) is far too long.
@@ -77,11 +77,36 @@ async def heartbeat(agent_id: RowId, services: ServicesDep, principal: AgentDep)
 
 
 def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.AgentWork:
+    # One statement of columns, no ORM objects: a thousand agents' long-polls re-read this every
+    # 20 s, all at once after a server restart, and each agent's again whenever its work changes.
+    nnodes = (
+        select(func.count())
+        .where(AllocationNode.allocation_id == Allocation.id)
+        .correlate(Allocation)
+        .scalar_subquery()
+    )
     with session.begin():
-        # One query answers both whether the agent exists and what it runs: a thousand agents'
-        # long-polls re-read this every 20 s, and all at once after a server restart.
         rows = session.execute(
-            select(Agent.id, AllocationNode, Allocation, Job)
+            select(
+                Agent.id,
+                AllocationNode.node_rank,
+                AllocationNode.slot_type,
+                AllocationNode.slot_indices,
+                AllocationNode.desired,
+                Allocation.id,
+                Allocation.attempt,
+                Allocation.master_addr,
+                Allocation.master_port,
+                Allocation.stop_grace,
+                Allocation.credential,
+                nnodes,
+                Job.id,
+                Job.slots_per_node,
+                Job.spec,
+                Job.env_lock,
+                Checkpoint.step,
+                Checkpoint.path,
+            )
             .select_from(Agent)
             .outerjoin(
                 AllocationNode,
@@ -89,57 +114,49 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
             )
             .outerjoin(Allocation, AllocationNode.allocation_id == Allocation.id)
             .outerjoin(Job, Allocation.job_id == Job.id)
+            # Gone only when retention dropped it after this attempt wrote newer ones: it has
+            # started by then.
+            .outerjoin(Checkpoint, (Checkpoint.job_id == Job.id) & (Checkpoint.step == Allocation.resume_step))
             .where(Agent.id == agent_id)
-            .options(selectinload(Allocation.nodes))
-            .order_by(AllocationNode.id)
+            .order_by(AllocationNode.id, Checkpoint.id)
         ).all()
-        if not rows:
-            raise NotFound(f"agent {agent_id} is not registered; register it first")
-        assignments = []
-        for _, node, allocation, job in rows:
-            if node is None:
-                continue
-            spec = schemas.JobSpec.model_validate(job.spec)
-            assignments.append(
-                schemas.Assignment(
-                    allocation_id=allocation.id,
-                    job_id=job.id,
-                    attempt=allocation.attempt,
-                    node_rank=node.node_rank,
-                    nnodes=len(allocation.nodes),
-                    nproc_per_node=job.slots_per_node,
-                    slot_type=schemas.SlotType(node.slot_type),
-                    slot_indices=list(node.slot_indices),
-                    master_addr=allocation.master_addr,
-                    master_port=allocation.master_port,
-                    desired=node.desired if node.desired in ("stop", "kill") else "run",
-                    stop_grace=allocation.stop_grace,
-                    entrypoint=spec.entrypoint,
-                    launcher=spec.launcher,
-                    env=spec.env,
-                    hyperparameters=spec.hyperparameters,
-                    precision=spec.precision,
-                    ddp=spec.ddp,
-                    checkpoint_root=storage_for(job, settings.checkpoint_uri),
-                    resume=_resume_point(session, allocation),
-                    pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
-                    credential=auth.rank_token(allocation.id, allocation.credential or ""),
-                    runtime_env=spec.runtime_env,
-                    env_lock=job.env_lock if spec.runtime_env is not None else None,
-                )
-            )
-    body = "[" + ",".join(a.model_dump_json() for a in assignments) + "]"
-    return schemas.AgentWork(version=hashlib.sha1(body.encode()).hexdigest(), assignments=assignments)
-
-
-def _resume_point(session: Session, allocation: Allocation) -> schemas.ResumePoint | None:
-    if allocation.resume_step is None:
-        return None
-    checkpoint = session.scalars(
-        select(Checkpoint).where(Checkpoint.job_id == allocation.job_id, Checkpoint.step == allocation.resume_step)
-    ).first()
-    # Gone only when retention dropped it after this attempt wrote newer ones: it has started by then.
-    return None if checkpoint is None else schemas.ResumePoint(step=checkpoint.step, path=checkpoint.path)
+    if not rows:
+        raise NotFound(f"agent {agent_id} is not registered; register it first")
+    assignments: dict[tuple[int, int], schemas.Assignment] = {}
+    for row in rows:
+        (_, node_rank, slot_type, slot_indices, desired, allocation_id, attempt, master_addr, master_port) = row[:9]
+        (stop_grace, credential, node_count, job_id, slots_per_node, spec_json, env_lock, step, path) = row[9:]
+        if node_rank is None or (allocation_id, node_rank) in assignments:
+            continue
+        spec = schemas.JobSpec.model_validate(spec_json)
+        assignments[(allocation_id, node_rank)] = schemas.Assignment(
+            allocation_id=allocation_id,
+            job_id=job_id,
+            attempt=attempt,
+            node_rank=node_rank,
+            nnodes=node_count,
+            nproc_per_node=slots_per_node,
+            slot_type=schemas.SlotType(slot_type),
+            slot_indices=list(slot_indices),
+            master_addr=master_addr,
+            master_port=master_port,
+            desired=desired if desired in ("stop", "kill") else "run",
+            stop_grace=stop_grace,
+            entrypoint=spec.entrypoint,
+            launcher=spec.launcher,
+            env=spec.env,
+            hyperparameters=spec.hyperparameters,
+            precision=spec.precision,
+            ddp=spec.ddp,
+            checkpoint_root=job_root(spec.checkpoint.storage or settings.checkpoint_uri, job_id),
+            resume=None if step is None else schemas.ResumePoint(step=step, path=path),
+            pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
+            credential=auth.rank_token(allocation_id, credential or ""),
+            runtime_env=spec.runtime_env,
+            env_lock=env_lock if spec.runtime_env is not None else None,
+        )
+    body = "[" + ",".join(a.model_dump_json() for a in assignments.values()) + "]"
+    return schemas.AgentWork(version=hashlib.sha1(body.encode()).hexdigest(), assignments=list(assignments.values()))
 
 
 @router.post("/{agent_id}/drain", response_model=schemas.AgentView)
@@ -216,14 +233,10 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
 def rendezvous(
     agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, session: SessionDep, principal: AgentDep
 ) -> Response:
-    access.agent_acts_as(principal, agent_id)
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
+    access.agent_acts_as(principal, agent_id)
     with session.begin():
-        allocation, _node = attempts.find_node(session, agent_id, allocation_id, 0)
-        if not allocation.active:
-            raise Conflict(f"allocation {allocation_id} has ended; its rendezvous cannot change")
-        allocation.master_port = body.master_port
-        note_agent_work(session, (n.agent_id for n in allocation.nodes))
+        attempts.set_rendezvous(session, agent_id, allocation_id, body.master_port)
     return Response(status_code=204)
 
 
@@ -233,8 +246,7 @@ def node_started(
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
     with session.begin():
-        allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
-        attempts.record_node_started(session, allocation, node)
+        attempts.report_node_started(session, agent_id, allocation_id, body.node_rank)
     return Response(status_code=204)
 
 

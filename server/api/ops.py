@@ -15,6 +15,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.api.deps import UserDep, get_services, get_sessions
+from server.holds import HeldRequests
 from server.models import Agent, Job
 
 router = APIRouter(include_in_schema=False)
@@ -37,6 +38,22 @@ class StateCollector(Collector):
                 agents.add_metric([state], count)
         yield jobs
         yield agents
+
+
+class HeldCollector(Collector):
+    """Requests this server process holds open (long-polls, SSE streams) by kind of holder: each
+    replica reports its own."""
+
+    def __init__(self, holds: HeldRequests) -> None:
+        self._holds = holds
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = GaugeMetricFamily(
+            "phalanx_held_requests", "Requests this server process holds open, by kind of holder", labels=["kind"]
+        )
+        for kind, count in sorted(self._holds.by_kind().items()):
+            held.add_metric([kind], count)
+        yield held
 
 
 @router.get("/healthz")

@@ -347,3 +347,87 @@ def test_nodes_reporting_at_the_same_moment_each_see_the_other(client: TestClien
     report_all("exit")
     final = job(client, job_id)
     assert final["state"] == "COMPLETED" and not final["allocations"][0]["active"]
+
+
+def lose_agent(settings: Settings, agent_id: int) -> None:
+    """The reaper declares `agent_id` lost: its last heartbeat an hour ago by the database clock."""
+    from scheduler.service import reap_pass
+    from server.models import Agent, ControlPlane
+
+    hour_ago = func.timezone("utc", func.now()) - text("interval '1 hour'")
+    with session_scope(settings.database_url) as session:
+        session.execute(update(ControlPlane).values(time=hour_ago))
+        session.execute(update(Agent).where(Agent.id == agent_id).values(last_heartbeat=hour_ago))
+    with session_scope(settings.database_url) as session:
+        reap_pass(session, settings.heartbeat_timeout)
+
+
+def test_a_gang_whose_peer_vanished_restarts_without_waiting_for_the_peers_agent(
+    client: TestClient, settings: Settings
+) -> None:
+    """The survivor's ranks fail on a reset connection: the gang queues again at once, on the
+    infrastructure's budget, instead of waiting for the silent agent's heartbeat timeout; that
+    agent's slot stays leased, and its loss, found later, settles the charge as it stands."""
+    job_id = setup_job(client, settings, agents=3, max_restarts=1)
+    allocation = start_all(client, job_id)
+    vanished = next(n for n in allocation["nodes"] if n["node_rank"] == 1)
+    exit_node(client, allocation, 0, 1, BROKEN_COLLECTIVE)
+    state = job(client, job_id)
+    assert state["state"] == "QUEUED", state["events"][-1]
+    assert state["infra_restarts_used"] == 1 and state["restarts_used"] == 0
+    assert f"without waiting for node 1 on agent {vanished['agent_name']}" in state["events"][-1]["reason"]
+    old = state["allocations"][-1]
+    assert not old["active"] and "presumed gone with its agent" in old["end_reason"]
+    assert next(n for n in old["nodes"] if n["node_rank"] == 1)["state"] == "RUNNING"
+    # fenced: nothing of the old attempt writes any more
+    assert metrics(client, allocation["id"], range(3)).status_code == 409
+
+    schedule(settings)
+    state = job(client, job_id)
+    assert state["state"] == "SCHEDULED"
+    assert vanished["agent_id"] not in {n["agent_id"] for n in state["allocations"][-1]["nodes"]}
+
+    lose_agent(settings, vanished["agent_id"])
+    state = job(client, job_id)
+    assert state["state"] == "SCHEDULED", "the loss of the old attempt's agent must not touch the new attempt"
+    assert state["infra_restarts_used"] == 1 and state["restarts_used"] == 0
+    old = state["allocations"][0]
+    assert all(n["state"] == "EXITED" for n in old["nodes"]) and "lost" in old["end_reason"]
+
+
+def test_a_presumed_vanished_peer_that_reports_its_own_crash_moves_the_charge_to_the_job(
+    client: TestClient, settings: Settings
+) -> None:
+    """The peer was alive and its rank crashed (its report came second): the restart is the job's,
+    and until that report its agent gets no new work."""
+    for i in range(2):
+        register_agent(client, name=f"a{i}", address="127.0.0.1", cpu_slots=2)
+    spec = {"name": "ft", "entrypoint": "python train.py", "resources": {"nodes": 2}, "max_restarts": 1}
+    response = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER)
+    job_id = response.json()["id"]
+    schedule(settings)
+    allocation = start_all(client, job_id)
+    exit_node(client, allocation, 0, 1, BROKEN_COLLECTIVE)
+    assert job(client, job_id)["state"] == "QUEUED"
+    schedule(settings)
+    state = job(client, job_id)
+    assert state["state"] == "QUEUED", "the silent node's agent must get no new work while it may be dead"
+
+    exit_node(client, allocation, 1, 1, OWN_CRASH)
+    state = job(client, job_id)
+    assert state["restarts_used"] == 1 and state["infra_restarts_used"] == 0
+    assert state["allocations"][-1]["end_reason"].startswith("node 1 on agent a1 exited with code 1: rank 1")
+    schedule(settings)
+    assert job(client, job_id)["state"] == "SCHEDULED"
+
+
+def test_without_a_restart_left_in_the_jobs_budget_the_gang_waits_for_its_peers(
+    client: TestClient, settings: Settings
+) -> None:
+    """The charge may yet be the job's: with max_restarts 0 the attempt waits for the silent node's
+    outcome, as before."""
+    job_id = setup_job(client, settings, agents=2)
+    allocation = start_all(client, job_id)
+    exit_node(client, allocation, 0, 1, BROKEN_COLLECTIVE)
+    state = job(client, job_id)
+    assert state["state"] == "RESTARTING" and state["allocations"][-1]["active"]
