@@ -14,7 +14,7 @@ decayed usage of ``s``, so it adds to what the team holds now on the same scale.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -69,7 +69,8 @@ def slot_intervals(session: Session, since: datetime, until: datetime) -> list[S
             User.name,
             Team.name,
             AllocationNode.slot_type,
-            AllocationNode.slot_indices,
+            # counted by the database: decoding every node's JSON list was most of a pass's reads
+            func.json_array_length(AllocationNode.slot_indices),
             Job.id,
             Allocation.created_at,
             AllocationNode.ended_at,
@@ -84,8 +85,8 @@ def slot_intervals(session: Session, since: datetime, until: datetime) -> list[S
         )
     ).all()
     return [
-        SlotInterval(user, team or "", slot_type, len(indices or ()), job_id, start, end)
-        for user, team, slot_type, indices, job_id, start, end in rows
+        SlotInterval(user, team or "", slot_type, slots or 0, job_id, start, end)
+        for user, team, slot_type, slots, job_id, start, end in rows
     ]
 
 
@@ -173,12 +174,12 @@ class QueuedJob:
     wait_reason: str | None
 
 
-def queued_jobs(session: Session) -> list[QueuedJob]:
+def queued_jobs(session: Session, *, winding_down: bool = False) -> list[QueuedJob]:
     """Every QUEUED job whose previous attempt has no workers left (never two attempts at once), in
     one query of the columns placement reads: no ORM objects, no specs, no locks (the pass locks
-    only the jobs it places)."""
-    still_running = select(Allocation.job_id).where(Allocation.active.is_(True))
-    rows = session.execute(
+    only the jobs it places). `winding_down`: those whose previous attempt's workers are still
+    stopping too (the queue's view shows them in line)."""
+    query = (
         select(
             Job.id,
             Job.priority,
@@ -193,9 +194,12 @@ def queued_jobs(session: Session) -> list[QueuedJob]:
         )
         .join(User, Job.owner_id == User.id)
         .outerjoin(Team, Job.team_id == Team.id)
-        .where(Job.state == JobState.QUEUED.value, Job.id.not_in(still_running))
+        .where(Job.state == JobState.QUEUED.value)
         .order_by(Job.id)
     )
+    if not winding_down:
+        query = query.where(Job.id.not_in(select(Allocation.job_id).where(Allocation.active.is_(True))))
+    rows = session.execute(query)
     return [
         QueuedJob(
             PendingJob(
@@ -213,35 +217,6 @@ def queued_jobs(session: Session) -> list[QueuedJob]:
             wait_reason,
         )
         for job_id, priority, nodes, slots_per_node, slot_type, team, user, held, preempted_by, wait_reason in rows
-    ]
-
-
-def pending_jobs(session: Session, jobs: Sequence[Job]) -> list[PendingJob]:
-    """The QUEUED jobs as the placement sees them (their team and owner names loaded in one query)."""
-    ids = [job.id for job in jobs]
-    names = {
-        job_id: (team or "", user)
-        for job_id, team, user in session.execute(
-            select(Job.id, Team.name, User.name)
-            .join(User, Job.owner_id == User.id)
-            .outerjoin(Team, Job.team_id == Team.id)
-            .where(Job.id.in_(ids))
-        )
-    }
-    return [
-        PendingJob(
-            job_id=job.id,
-            priority=job.priority,
-            seq=job.id,
-            nodes=job.nodes,
-            slots_per_node=job.slots_per_node,
-            slot_type=job.slot_type,
-            team=names[job.id][0],
-            user=names[job.id][1],
-            held=job.held,
-            preempted_by=job.preempted_by,
-        )
-        for job in jobs
     ]
 
 

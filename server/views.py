@@ -102,8 +102,10 @@ def queue_snapshot_for(session: Session, rows: Sequence[Job]) -> QueueSnapshot |
 def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot, limit: int) -> schemas.QueueView:
     """The queue in placement order, then the held jobs; jobs outside `readable` without their name,
     owner or id."""
-    held = sorted(job_id for job_id in queue.jobs if job_id not in queue.positions)
-    shown = [queue.jobs[job_id] for job_id in [*queue.order, *held][:limit]]
+    held = sorted(job_id for job_id in queue.queued if job_id not in queue.positions)
+    shown_ids = [*queue.order, *held][:limit]
+    loaded = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(shown_ids)))}
+    shown = [loaded[job_id] for job_id in shown_ids if job_id in loaded]  # one may have been deleted since
     owners = owner_names(session, shown)
     entries = []
     for row in shown:
@@ -126,7 +128,7 @@ def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot
                 submitted_at=row.submitted_at,
             )
         )
-    return schemas.QueueView(entries=entries, queued=len(queue.jobs), estimated_at=queue.now)
+    return schemas.QueueView(entries=entries, queued=len(queue.queued), estimated_at=queue.now)
 
 
 def queue_place(queue: QueueSnapshot, row: Job) -> schemas.QueuePlace | None:

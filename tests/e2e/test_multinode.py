@@ -89,6 +89,32 @@ def test_two_node_job_survives_a_killed_agent(cluster: tuple[Stack, netns.Cluste
     assert processes_of_allocation(stack, first.id) == []
 
 
+def test_a_gang_restarts_without_waiting_for_a_killed_agents_timeout(cluster: tuple[Stack, netns.Cluster]) -> None:
+    """With a restart left in the job's own budget, the survivor's failure on a reset connection
+    restarts the gang at once; the dead agent is declared lost later, on its own timeout."""
+    stack, _ = cluster
+    spec, workdir = digits(epochs=80)
+    with stack.client() as client:
+        job = client.submit(spec.model_copy(update={"max_restarts": 1}), workdir)
+        first = running_on(client, job.id).allocations[0]
+        victim = first.nodes[1].agent_name
+        agent = psutil.Process(stack.procs[victim].pid)
+        for proc in [agent, *agent.children(recursive=True)]:
+            proc.send_signal(signal.SIGKILL)
+
+        final = finished(client, job.id)
+        assert final.state is JobState.COMPLETED, final.failure_reason
+        restarted = [e for e in final.events if e.to_state is JobState.QUEUED and e.from_state is JobState.RESTARTING]
+        assert restarted and f"without waiting for node 1 on agent {victim}" in restarted[0].reason
+        assert victim not in {n.agent_name for n in final.allocations[-1].nodes}
+        # its loss, found on its own timeout, settles the charge as the infrastructure's
+        wait_for(lambda: {a.name: a.state.value for a in client.agents()}[victim] == "LOST", 60, "the loss")
+        settled = client.get_job(job.id)
+        assert settled.infra_restarts_used == 1 and settled.restarts_used == 0
+        assert "lost" in (settled.allocations[0].end_reason or "")
+    assert processes_of_allocation(stack, first.id) == []
+
+
 def test_cut_link_restarts_elsewhere_and_fences_the_cut_off_attempt(cluster: tuple[Stack, netns.Cluster]) -> None:
     stack, hosts = cluster
     spec, workdir = digits(epochs=80)

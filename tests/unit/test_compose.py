@@ -36,7 +36,7 @@ DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 
 # What a deployment needs; the brief of docker-compose.yml.
-REQUIRED_SERVICES = {"postgres", "redis", "migrate", "server", "scheduler", "agent-1", "agent-2"}
+REQUIRED_SERVICES = {"postgres", "redis", "migrate", "server", "balancer", "scheduler", "agent-1", "agent-2"}
 ONE_SHOT = "migrate"
 # Secrets that must come from the environment, never from a default in the file.
 REQUIRED_SECRETS = ("PHALANX_ADMIN_TOKEN", "PHALANX_AGENT_TOKEN")
@@ -349,8 +349,14 @@ def test_server_port_healthcheck_and_agents_agree(services: dict[str, dict[str, 
     assert options.get("--host") == "0.0.0.0", "in a container the server must listen on every interface"
     port = options.get("--port", "8000")
 
-    published = [str(p).rsplit(":", 1)[-1] for p in server.get("ports", [])]
-    assert port in published, f"the server listens on {port} but publishes {published}"
+    # Clients and agents reach the replicas through the balancer, which publishes the port.
+    assert "ports" not in server, "a scaled server cannot publish one host port: the balancer publishes it"
+    balancer = services["balancer"]
+    assert argv_of(balancer)[-2:] == ["--to", f"server:{port}"], f"the balancer must proxy to server:{port}"
+    published = [str(p).rsplit(":", 1)[-1] for p in balancer.get("ports", [])]
+    assert published, "the balancer publishes no port"
+    listen = argv_of(balancer)[argv_of(balancer).index("--from") + 1].rsplit(":", 1)[-1]
+    assert listen in published, f"the balancer listens on {listen} but publishes {published}"
 
     test = server["healthcheck"]["test"]
     probe = test if isinstance(test, str) else " ".join(test)
@@ -362,7 +368,7 @@ def test_server_port_healthcheck_and_agents_agree(services: dict[str, dict[str, 
         agent_path, agent_options = split_command(argv_of(service))
         if agent_path != ("agent",):
             continue
-        assert agent_options.get("--server") == f"http://server:{port}", f"{name} points at the wrong server"
+        assert agent_options.get("--server") == f"http://balancer:{listen}", f"{name} points past the balancer"
         names.append(agent_options.get("--name"))
     assert len(names) >= 2 and None not in names and len(set(names)) == len(names), f"agent names {names}"
 
