@@ -469,3 +469,47 @@ def test_a_hostile_bundle_is_refused_at_upload_and_nothing_is_kept(
     assert time.monotonic() - started < 10
     assert count(settings, Job) == 0
     assert list(settings.bundle_dir.glob("*")) == []  # neither the bundle nor its partial copy
+
+
+def test_a_client_that_hangs_up_mid_body_costs_no_traceback(
+    client: TestClient, settings: Settings, allocation_id: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under load, thousands of clients time out with their request half sent; each used to cost
+    a logged traceback, and the server spent its core formatting them."""
+    from server.models import AllocationNode
+
+    with session_scope(settings.database_url) as session:
+        agent_id = session.scalars(
+            select(AllocationNode.agent_id).where(AllocationNode.allocation_id == allocation_id)
+        ).one()
+    headers = [(k.lower().encode(), v.encode()) for k, v in as_agent(agent_id).items()]
+    path = f"/api/v1/agents/{agent_id}/allocations/{allocation_id}/logs"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [*headers, (b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    arriving = [{"type": "http.request", "body": b'{"lines": [', "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.INFO):
+        client.portal.call(client.app, scope, receive, send)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert sent[0]["status"] == 400
+    with session_scope(settings.database_url) as session:
+        assert session.scalar(select(func.count()).select_from(LogLine)) == 0
