@@ -51,6 +51,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         await waiter.start()
         yield
         await waiter.stop()
+        services.auth_threads.shutdown(wait=False)
 
     app = FastAPI(
         title="Phalanx",

@@ -3,7 +3,9 @@ sessions, the waiter, the task queue, and who is calling."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -11,7 +13,6 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
 
 from phalanx.schemas import NUL_FREE
 from server.auth import Principal, TokenCache, hash_token, lookup
@@ -20,6 +21,9 @@ from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
 from server.settings import Settings
 from server.wakeups import Enqueue, Waiter
+
+# Enough for a thousand agents' tokens leaving the cache every 30 s (~35 lookups a second).
+AUTH_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,12 @@ class Services:
     holds: HeldRequests  # streams and long-polls held open, capped
     heartbeats: HeartbeatBatcher  # agents' heartbeats, written in batches
     token_cache: TokenCache = field(default_factory=TokenCache)
+    # Token lookups run on threads of their own: behind the routes' worker threads, all of them
+    # waiting on row locks while attempts end by the hundred, a heartbeat whose token had just left
+    # the cache waited past the agent's timeout, and the agent was declared lost.
+    auth_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=AUTH_THREADS, thread_name_prefix="auth")
+    )
     # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
     study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
 
@@ -83,9 +93,12 @@ async def get_principal(request: Request) -> Principal:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing bearer token: set PHALANX_TOKEN (or pass Authorization: Bearer <token>)")
-    principal = get_services(request).token_cache.get(hash_token(token))
+    services = get_services(request)
+    principal = services.token_cache.get(hash_token(token))
     if principal is None:
-        principal = await run_in_threadpool(authenticate, request, token)
+        principal = await asyncio.get_running_loop().run_in_executor(
+            services.auth_threads, authenticate, request, token
+        )
     if principal is None:
         raise Unauthorized("the bearer token is not valid: check PHALANX_TOKEN, or ask an admin for a new one")
     return principal
@@ -104,26 +117,26 @@ def authenticate(request: Request, token: str) -> Principal | None:
     return principal
 
 
-def require_user(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def require_user(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if principal.kind != "user":
         raise Forbidden("this route needs a user token; an agent token was given")
     return principal
 
 
-def require_admin(principal: Annotated[Principal, Depends(require_user)]) -> Principal:
+async def require_admin(principal: Annotated[Principal, Depends(require_user)]) -> Principal:
     if not principal.is_admin:
         raise Forbidden("this route needs an admin token")
     return principal
 
 
-def require_reporter(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def require_reporter(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     """An agent, or a rank with its allocation's own token (which allocation: `access.may_report_for`)."""
     if principal.kind not in ("agent", "rank"):
         raise Forbidden("this route is for agents and the ranks they start; a user token was given")
     return principal
 
 
-def require_agent(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def require_agent(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if principal.kind != "agent":
         raise Forbidden("this route is for agents and their workers; use an agent token (PHALANX_AGENT_TOKEN)")
     return principal
@@ -139,12 +152,35 @@ RankNumber = Annotated[int, Path(ge=0, le=1_000_000, description="A rank of the 
 # A metric's name to filter by: what a stored one can be (`schemas.MetricRecord`), or 422
 MetricNameQuery = Annotated[str | None, Query(min_length=1, max_length=128, pattern=NUL_FREE)]
 
-ServicesDep = Annotated[Services, Depends(get_services)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
-SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
-WaiterDep = Annotated[Waiter, Depends(get_waiter)]
-HoldsDep = Annotated[HeldRequests, Depends(get_holds)]
+
+# FastAPI runs a plain `def` dependency on a worker thread: two thread hops a request for a lookup
+# in a dict. These are the same lookups as coroutines (and `require_*` above are coroutines too).
+async def _services(request: Request) -> Services:
+    return get_services(request)
+
+
+async def _settings(request: Request) -> Settings:
+    return get_settings(request)
+
+
+async def _sessions(request: Request) -> sessionmaker[Session]:
+    return get_sessions(request)
+
+
+async def _waiter(request: Request) -> Waiter:
+    return get_waiter(request)
+
+
+async def _holds(request: Request) -> HeldRequests:
+    return get_holds(request)
+
+
+ServicesDep = Annotated[Services, Depends(_services)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]  # a thread: closing a session may roll back
+SessionsDep = Annotated[sessionmaker[Session], Depends(_sessions)]
+WaiterDep = Annotated[Waiter, Depends(_waiter)]
+HoldsDep = Annotated[HeldRequests, Depends(_holds)]
 UserDep = Annotated[Principal, Depends(require_user)]
 AdminDep = Annotated[Principal, Depends(require_admin)]
 AgentDep = Annotated[Principal, Depends(require_agent)]
