@@ -193,8 +193,9 @@ def set_rendezvous(session: Session, agent_id: int, allocation_id: int, master_p
 
 
 def report_node_started(session: Session, agent_id: int, allocation_id: int, node_rank: int) -> None:
-    """`record_node_started` without loading the attempt: the job's row lock, the node's move,
-    and the job's once no node of its attempt is still waiting to launch."""
+    """A node's torchrun started: under the job's row lock (two nodes reporting at once each see
+    the other's move), the node moves, and the job once no node of its attempt waits to launch.
+    Read as columns, without loading the attempt: every node of every attempt reports it."""
     node = reported_node(session, agent_id, allocation_id, node_rank, lock_job=True)
     if not start_node(session, node.node_id):
         return  # idempotent: a retried report, or the node already exited
@@ -285,16 +286,6 @@ def start_attempts(session: Session, placed: Sequence[tuple[Job, Placement]], ag
         start = f", resuming from the checkpoint of step {step}" if step is not None else ""
         reasons.append((job, f"attempt {job.attempts + 1} placed on {names}{start}"))
     schedule_jobs(session, reasons)
-
-
-def record_node_started(session: Session, allocation: Allocation, node: AllocationNode) -> None:
-    job = lock_attempt(session, allocation)
-    if node.state != NodeState.ASSIGNED.value:
-        return  # idempotent: a retried report, or the node already exited
-    transition_node(session, node, NodeState.RUNNING, started_at=db_now(session))
-    if job.state == JobState.SCHEDULED.value and all(n.state != NodeState.ASSIGNED.value for n in allocation.nodes):
-        transition(session, job, JobState.RUNNING, "torchrun started on every node")
-    session.flush()
 
 
 # --- end -------------------------------------------------------------------------------------------

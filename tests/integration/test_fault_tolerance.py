@@ -326,12 +326,13 @@ def test_nodes_reporting_at_the_same_moment_each_see_the_other(client: TestClien
         def report(node: dict[str, Any]) -> None:
             try:
                 with session_scope(settings.database_url) as session:
+                    if action == "start":
+                        barrier.wait(10)
+                        attempts.report_node_started(session, node["agent_id"], allocation["id"], node["node_rank"])
+                        return
                     found, row = attempts.find_node(session, node["agent_id"], allocation["id"], node["node_rank"])
                     barrier.wait(10)
-                    if action == "start":
-                        attempts.record_node_started(session, found, row)
-                    else:
-                        attempts.record_node_exit(session, found, row, 0, "")
+                    attempts.record_node_exit(session, found, row, 0, "")
             except BaseException as exc:  # surfaced below
                 errors.append(exc)
 

@@ -290,3 +290,30 @@ def test_a_heartbeat_batch_skips_an_agent_another_transaction_holds(client: Test
     with session_scope(settings.database_url) as session:
         after = dict(session.execute(select(Agent.id, Agent.last_heartbeat)).all())
     assert after[first] > before[first] and after[second] > before[second]
+
+
+def test_the_last_of_a_gangs_started_reports_moves_the_job_whichever_commits_first(
+    client: TestClient, settings: Settings
+) -> None:
+    """Both nodes of a gang report started at once. Each report counts the nodes still waiting to
+    launch; without the job's row lock, each would count the other's uncommitted node as waiting,
+    and the job would stay SCHEDULED with every node running."""
+    register(client, "n1", slots=1)
+    job_id = submit(client, spec(resources={"nodes": 2})).json()["id"]
+    with session_scope(settings.database_url) as session:
+        schedule_pass(session)
+    with session_scope(settings.database_url) as session:
+        allocation = attempts.active_allocation(session, job_id)
+        assert allocation is not None
+        nodes = [(n.agent_id, n.node_rank) for n in allocation.nodes]
+        allocation_id = allocation.id
+    (first_agent, first_rank), (second_agent, second_rank) = nodes
+    with held(settings) as session:
+        attempts.report_node_started(session, first_agent, allocation_id, first_rank)
+        session.flush()
+        second = Racer(
+            lambda s: attempts.report_node_started(s, second_agent, allocation_id, second_rank), settings.database_url
+        )
+        assert second.finished_or_blocked() == "blocked"
+    second.join()
+    assert job_row(settings, job_id).state == JobState.RUNNING.value
