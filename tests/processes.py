@@ -7,6 +7,7 @@ one process supervisor (stack.supervisor) that `phalanx up` uses too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -269,6 +270,7 @@ class Balancer:
         self.backends = backends
         self.connections: dict[int, int] = dict.fromkeys(backends, 0)  # per backend, in all
         self._turn = 0
+        self._writers: set[asyncio.StreamWriter] = set()  # every open side, closed on the way out
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="balancer", daemon=True)
 
@@ -281,19 +283,27 @@ class Balancer:
         return self
 
     def __exit__(self, *_: object) -> None:
-        async def stop() -> None:
-            self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
+    async def _stop(self) -> None:
+        """Stop listening, end every relay, and wait until every socket is closed (a socket left
+        to the garbage collector is a ResourceWarning, an error in this test suite)."""
+        self._server.close()
+        relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in relays:
+            task.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+        for writer in list(self._writers):
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        await self._server.wait_closed()
+
     async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self._writers.add(client_writer)
         for _ in self.backends:
             port = self.backends[self._turn % len(self.backends)]
             self._turn += 1
@@ -301,6 +311,7 @@ class Balancer:
                 backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError:
                 continue
+            self._writers.add(backend_writer)
             self.connections[port] += 1
             break
         else:
