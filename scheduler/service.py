@@ -1,8 +1,9 @@
 """Scheduling, reaping and hang passes: read the database, let the pure policies decide, then act
 through `server.attempts` and `server.agents`.
 
-Each pass runs in one transaction owned by the caller; what must follow its commit (waking agents,
-another scheduling pass) is noted in the session, and each returns the agents it woke.
+Each pass runs in one transaction owned by the caller (the reaper in one per lost agent, opened
+through the caller's `sessions`); what must follow its commit (waking agents, another scheduling
+pass) is noted in the session, and each returns the agents it woke.
 Concurrency: on PostgreSQL a transaction-scoped advisory lock serialises passes, so two scheduler
 processes never place against the same view of free slots; SQLite's `BEGIN IMMEDIATE` does the same
 there. The pass reads the queue without locks (10,000 row locks a pass are 10,000 tuple writes in
@@ -13,6 +14,9 @@ failed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session, selectinload
@@ -119,10 +123,17 @@ def _preempt(session: Session, preemption: Preemption, for_job: Job, grace_s: fl
     record_event(session, for_job, f"preempting job {victim.id}: {preemption.reason}")
 
 
-def reap_pass(session: Session, heartbeat_timeout: float) -> set[int]:
-    """Declare agents lost whose last heartbeat is older than the timeout (`agents.declare_lost`)."""
-    agent_rules.declare_lost(session, heartbeat_timeout)
-    return noted_agents(session)
+def reap_pass(sessions: Callable[[], AbstractContextManager[Session]], heartbeat_timeout: float) -> set[int]:
+    """Declare agents lost whose last heartbeat is older than the timeout, each in a transaction
+    of its own (`agents.declare_lost`); `sessions()` opens one. The agents to wake."""
+    with sessions() as session:
+        silent = agent_rules.silent_agents(session, heartbeat_timeout)
+    woken: set[int] = set()
+    for agent_id in silent:
+        with sessions() as session:
+            agent_rules.declare_lost(session, agent_id, heartbeat_timeout)
+            woken |= noted_agents(session)
+    return woken
 
 
 def hang_pass(session: Session) -> set[int]:

@@ -58,8 +58,7 @@ def reap() -> int:
     """Periodic: lost agents and hung attempts (their jobs restart or fail at once: the freed slots
     note a scheduling pass), and retention whose enqueue was lost."""
     settings = get_settings()
-    with _sessions().begin() as session:
-        woken = service.reap_pass(session, settings.heartbeat_timeout)
+    woken = service.reap_pass(_sessions().begin, settings.heartbeat_timeout)
     with _sessions().begin() as session:
         woken |= service.hang_pass(session)
     with _sessions().begin() as session:

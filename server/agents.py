@@ -143,28 +143,44 @@ def undrain_agent(session: Session, agent: Agent) -> None:
         raise Conflict(f"agent {agent.name} is lost; it takes work again once it registers")
 
 
-def declare_lost(session: Session, heartbeat_timeout: float) -> list[Agent]:
-    """Agents whose last heartbeat is older than the timeout, by the database clock, become LOST
-    and their nodes' attempts restart elsewhere.
+def silent_agents(session: Session, heartbeat_timeout: float) -> list[int]:
+    """Ids of the agents whose last heartbeat is older than the timeout, by the database clock.
 
     No agent can heartbeat while no server runs, so for one timeout after a server (re)start
-    nobody is declared lost: a control-plane restart must not restart every job."""
+    there are none: a control-plane restart must not restart every job."""
     cutoff = db_now(session) - timedelta(seconds=heartbeat_timeout)
     started = session.get(ControlPlane, SERVER_STARTED)
     if started is not None and started.time > cutoff:
         return []
-    lost = list(
+    return list(
         session.scalars(
-            select(Agent)
+            select(Agent.id)
             .where(Agent.state != AgentState.LOST.value, Agent.last_heartbeat < cutoff)
-            .with_for_update(skip_locked=True)
+            .order_by(Agent.id)
         )
     )
-    for agent in lost:
-        transition_agent(session, agent, AgentState.LOST)
-        # Its own channel too: an agent that is alive after all learns at once that it was
-        # declared lost.
-        note_agent_work(session, [agent.id])
-        fail_nodes_on_agent(session, agent, f"agent {agent.name} lost: no heartbeat for over {heartbeat_timeout:g} s")
+
+
+def declare_lost(session: Session, agent_id: int, heartbeat_timeout: float) -> bool:
+    """The agent becomes LOST and its nodes' attempts restart elsewhere, if it is still silent
+    when its row is locked (a heartbeat may have come since `silent_agents` read it). False when
+    it was not: it heartbeated, or its row is locked by a heartbeat or another reaper (skipped;
+    the next pass looks again).
+
+    Each agent goes in a transaction of its own: ending its attempts locks their jobs' rows, and
+    a transaction over hundreds of lost agents held those locks for tens of seconds while the
+    server's route threads queued on them."""
+    cutoff = db_now(session) - timedelta(seconds=heartbeat_timeout)
+    agent = session.scalars(
+        select(Agent)
+        .where(Agent.id == agent_id, Agent.state != AgentState.LOST.value, Agent.last_heartbeat < cutoff)
+        .with_for_update(skip_locked=True)
+    ).one_or_none()
+    if agent is None:
+        return False
+    transition_agent(session, agent, AgentState.LOST)
+    # Its own channel too: an agent that is alive after all learns at once that it was declared lost.
+    note_agent_work(session, [agent.id])
+    fail_nodes_on_agent(session, agent, f"agent {agent.name} lost: no heartbeat for over {heartbeat_timeout:g} s")
     session.flush()
-    return lost
+    return True

@@ -131,9 +131,7 @@ class ReportedNode:
 
     job_id: int
     job_state: str
-    active: bool
     node_id: int
-    node_state: str
 
 
 def reported_node(
@@ -145,9 +143,7 @@ def reported_node(
         select(
             Allocation.job_id,
             Job.state,
-            Allocation.active,
             AllocationNode.id,
-            AllocationNode.state,
             AllocationNode.agent_id,
         )
         .select_from(Allocation)
@@ -163,14 +159,14 @@ def reported_node(
     row = session.execute(query).one_or_none()
     if row is None:
         raise NotFound(f"allocation {allocation_id} does not exist")
-    job_id, job_state, active, node_id, node_state, owner = row
+    job_id, job_state, node_id, owner = row
     if node_id is None:
         raise NotFound(f"allocation {allocation_id} has no node rank {node_rank}")
     if owner != agent_id:
         raise Conflict(
             f"node {node_rank} of allocation {allocation_id} belongs to agent {owner}, not to agent {agent_id}"
         )
-    return ReportedNode(job_id, job_state, active, node_id, node_state)
+    return ReportedNode(job_id, job_state, node_id)
 
 
 def set_rendezvous(session: Session, agent_id: int, allocation_id: int, master_port: int) -> None:

@@ -62,9 +62,9 @@ def job_root(storage: str, job_id: int) -> str:
     return f"{storage.rstrip('/')}/job-{job_id}"
 
 
-def storage_for(job: Job, default_uri: str) -> str:
-    spec = JobSpec.model_validate(job.spec)
-    return job_root(spec.checkpoint.storage or default_uri, job.id)
+def storage_for(spec: JobSpec, job_id: int, default_uri: str) -> str:
+    """Where the job's checkpoints live: its spec's storage, else the cluster's default."""
+    return job_root(spec.checkpoint.storage or default_uri, job_id)
 
 
 def latest_checkpoint(session: Session, job_id: int) -> Checkpoint | None:
@@ -111,7 +111,7 @@ def commit(session: Session, allocation: Allocation, job: Job, body: CheckpointC
     the same step and path committed again by the same attempt answers the first record."""
     if allocation.fenced or not allocation.active:
         raise Conflict(f"allocation {allocation.id} is no longer current; its checkpoint is not recorded")
-    root = storage_for(job, default_uri)
+    root = storage_for(JobSpec.model_validate(job.spec), job.id, default_uri)
     if not within(body.path, root) or normalised(body.path) == normalised(root):
         raise Unprocessable(f"checkpoint path {body.path!r} is outside this job's storage {root!r}")
     earlier = session.scalars(

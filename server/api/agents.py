@@ -13,10 +13,9 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
-from server import access, agents, attempts, auth, commands, views
+from server import access, agents, attempts, auth, checkpoints, commands, views
 from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
 from server.api.uploads import invalid_batch
-from server.checkpoints import job_root
 from server.errors import Conflict, Forbidden, NotFound
 from server.ingest import batch_identity, first_delivery, from_unix
 from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogBatch, LogLine, utcnow
@@ -148,7 +147,7 @@ def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.A
             hyperparameters=spec.hyperparameters,
             precision=spec.precision,
             ddp=spec.ddp,
-            checkpoint_root=job_root(spec.checkpoint.storage or settings.checkpoint_uri, job_id),
+            checkpoint_root=checkpoints.storage_for(spec, job_id, settings.checkpoint_uri),
             resume=None if step is None else schemas.ResumePoint(step=step, path=path),
             pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
             credential=auth.rank_token(allocation_id, credential or ""),

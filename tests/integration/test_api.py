@@ -10,6 +10,7 @@ import tarfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -342,15 +343,15 @@ def test_reaper_declares_silent_agents_lost_by_the_database_clock(client: TestCl
     job_id = submit(client, spec()).json()["id"]
     schedule(settings)
     hour_ago = func.timezone("utc", func.now()) - text("interval '1 hour'")
+    sessions = partial(session_scope, settings.database_url)
+    assert reap_pass(sessions, settings.heartbeat_timeout) == set()
     with session_scope(settings.database_url) as session:
-        assert reap_pass(session, settings.heartbeat_timeout) == set()
         session.execute(update(Agent).where(Agent.id == a0).values(last_heartbeat=hour_ago))
+    # the server started less than a timeout ago: agents could not heartbeat before, so no one is lost
+    assert reap_pass(sessions, settings.heartbeat_timeout) == set()
     with session_scope(settings.database_url) as session:
-        # the server started less than a timeout ago: agents could not heartbeat before, so no one is lost
-        assert reap_pass(session, settings.heartbeat_timeout) == set()
         session.execute(update(ControlPlane).values(time=hour_ago))
-    with session_scope(settings.database_url) as session:
-        woken = reap_pass(session, settings.heartbeat_timeout)
+    woken = reap_pass(sessions, settings.heartbeat_timeout)
     # the survivor (told to stop its node) and the lost agent itself (told it is lost, if it lives)
     assert a0 in woken and len(woken) == 2
     agents = {a["id"]: a["state"] for a in client.get("/api/v1/agents", headers=USER).json()}

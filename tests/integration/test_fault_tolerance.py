@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -200,8 +202,7 @@ def test_lost_agent_restarts_on_the_infrastructure_budget(client: TestClient, se
     with session_scope(settings.database_url) as session:
         session.execute(update(ControlPlane).values(time=hour_ago))
         session.execute(update(Agent).where(Agent.id == node["agent_id"]).values(last_heartbeat=hour_ago))
-    with session_scope(settings.database_url) as session:
-        reap_pass(session, settings.heartbeat_timeout)
+    reap_pass(partial(session_scope, settings.database_url), settings.heartbeat_timeout)
     state = job(client, job_id)
     assert state["state"] == "RESTARTING"
     assert "lost" in state["allocations"][-1]["end_reason"]
@@ -359,8 +360,7 @@ def lose_agent(settings: Settings, agent_id: int) -> None:
     with session_scope(settings.database_url) as session:
         session.execute(update(ControlPlane).values(time=hour_ago))
         session.execute(update(Agent).where(Agent.id == agent_id).values(last_heartbeat=hour_ago))
-    with session_scope(settings.database_url) as session:
-        reap_pass(session, settings.heartbeat_timeout)
+    reap_pass(partial(session_scope, settings.database_url), settings.heartbeat_timeout)
 
 
 def test_a_gang_whose_peer_vanished_restarts_without_waiting_for_the_peers_agent(
@@ -432,3 +432,41 @@ def test_without_a_restart_left_in_the_jobs_budget_the_gang_waits_for_its_peers(
     exit_node(client, allocation, 0, 1, BROKEN_COLLECTIVE)
     state = job(client, job_id)
     assert state["state"] == "RESTARTING" and state["allocations"][-1]["active"]
+
+
+def test_the_reaper_commits_each_lost_agent_on_its_own(client: TestClient, settings: Settings) -> None:
+    """An agent whose job's row another transaction holds does not keep the other lost agents'
+    jobs waiting: each agent is declared lost, and its attempts ended, in a transaction of its own."""
+    from scheduler.service import reap_pass
+    from server.models import Agent, ControlPlane, Job
+
+    for name in ("a0", "a1"):
+        register_agent(client, name=name, address="127.0.0.1", cpu_slots=1)
+    job_ids = []
+    for _ in range(2):
+        spec = {"name": "ft", "entrypoint": "python train.py", "resources": {"nodes": 1}}
+        response = client.post("/api/v1/jobs", files={"spec": (None, json.dumps(spec))}, headers=USER)
+        job_ids.append(response.json()["id"])
+    schedule(settings)
+    job_on = {start_all(client, job_id)["nodes"][0]["agent_id"]: job_id for job_id in job_ids}
+    first_agent, last_agent = sorted(job_on)  # the reaper takes agents in id order
+    hour_ago = func.timezone("utc", func.now()) - text("interval '1 hour'")
+    with session_scope(settings.database_url) as session:
+        session.execute(update(ControlPlane).values(time=hour_ago))
+        session.execute(update(Agent).values(last_heartbeat=hour_ago))
+
+    with session_scope(settings.database_url) as holder:
+        holder.execute(select(Job).where(Job.id == job_on[last_agent]).with_for_update()).one()
+        reaper = threading.Thread(
+            target=reap_pass, args=(partial(session_scope, settings.database_url), settings.heartbeat_timeout)
+        )
+        reaper.start()
+        deadline = time.monotonic() + 30
+        while job(client, job_on[first_agent])["state"] != "QUEUED":  # a lone node's job queues again
+            assert time.monotonic() < deadline, "the first lost agent's job was not restarted while a row was held"
+            time.sleep(0.05)
+        assert reaper.is_alive()  # it is waiting for the held row, having committed the first agent
+        assert job(client, job_on[last_agent])["state"] == "RUNNING"
+    reaper.join(timeout=30)
+    assert not reaper.is_alive()
+    assert job(client, job_on[last_agent])["state"] == "QUEUED"
