@@ -14,11 +14,13 @@ Goals: API >= 100,000 points/s and API / COPY >= 0.5. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -127,7 +129,9 @@ def create_allocation(url: str, database_url: str) -> tuple[int, int, str]:
     """Register one agent, submit a 1-node job and place it in-process: (job id, allocation id,
     the allocation's credential, as the agent hands it to the ranks)."""
     with Client(url, AGENT_TOKEN) as agent, Client(url, ADMIN_TOKEN) as admin:
-        registered = agent.register_agent(AgentRegistration(name="bench-agent", address="127.0.0.1", cpu_slots=1))
+        # a name of its own: bench_metric_growth runs this twice on one database
+        name = f"bench-agent-{uuid.uuid4().hex[:8]}"
+        registered = agent.register_agent(AgentRegistration(name=name, address="127.0.0.1", cpu_slots=1))
         agent.use_token(registered.agent_token)
         spec = JobSpec(name="ingest-bench", entrypoint="python train.py", resources=Resources(nodes=1))
         job = admin.submit(spec)
@@ -140,12 +144,19 @@ def create_allocation(url: str, database_url: str) -> tuple[int, int, str]:
 
 
 def run(
-    batches: int = 20, records: int = 5_000, values: int = 4, clients: int = 2, repeat: int = 3
+    batches: int = 20,
+    records: int = 5_000,
+    values: int = 4,
+    clients: int = 2,
+    repeat: int = 3,
+    database_url: str | None = None,
 ) -> dict[str, object]:
+    """The rounds on a fresh database, or on `database_url` (migrated; its job and points stay)."""
     points_per_round = batches * records * values
     api_rates: list[float] = []
     copy_rates: list[float] = []
-    with fresh_database() as database_url, tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+    given = contextlib.nullcontext(database_url) if database_url else fresh_database()
+    with given as database_url, tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         conninfo = database_url.replace("postgresql+psycopg://", "postgresql://")
         env = {
             **without_phalanx_env(),

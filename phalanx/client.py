@@ -201,11 +201,32 @@ class Client:
     def get_job(self, job_id: int) -> JobDetail:
         return self._get(JobDetail, f"/jobs/{job_id}")
 
-    def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobView]:
+    def list_jobs(self, state: str | None = None, limit: int = 100, before: int | None = None) -> list[JobView]:
+        """Jobs newest first; `before`: only those with a smaller id (the next page after that job)."""
+        return self.jobs_page(state, limit, before)[0]
+
+    def jobs_page(
+        self, state: str | None = None, limit: int = 100, before: int | None = None
+    ) -> tuple[list[JobView], int | None]:
+        """A page of `list_jobs` and the `before` of the next page (None: this was the last)."""
         params: dict[str, Any] = {"limit": limit}
         if state:
             params["state"] = state
-        return self._list(JobView, "/jobs", params=params)
+        if before is not None:
+            params["before"] = before
+        response = self._request("GET", "/jobs", params=params)
+        following = response.headers.get("X-Next-Before")
+        return TypeAdapter(list[JobView]).validate_json(response.content), int(following) if following else None
+
+    def iter_jobs(self, state: str | None = None, page_size: int = 100) -> Iterator[JobView]:
+        """Every job the token may read, newest first, a page at a time: each once, however many
+        are submitted meanwhile (those are newer than the first page, so not among them)."""
+        before: int | None = None
+        while True:
+            jobs, before = self.jobs_page(state, page_size, before)
+            yield from jobs
+            if before is None:
+                return
 
     def kill_job(self, job_id: int) -> JobView:
         return JobView.model_validate_json(self._request("POST", f"/jobs/{job_id}/kill").content)

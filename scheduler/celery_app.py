@@ -8,7 +8,7 @@ from celery import Celery
 from scheduler.periodic import Periodic
 from server import task_queue
 from server.settings import Settings
-from server.task_names import ADVANCE_SCALING_TASK, ADVANCE_STUDIES_TASK, REAP_TASK, SCHEDULE_TASK
+from server.task_names import ADVANCE_SCALING_TASK, ADVANCE_STUDIES_TASK, REAP_TASK, RETENTION_TASK, SCHEDULE_TASK
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -17,10 +17,11 @@ def make_celery(settings: Settings) -> Celery:
 
 def periodic_passes(settings: Settings) -> list[Periodic]:
     """What beat would run: placement and study passes as a safety net for lost kicks (and study
-    timeouts), and the reaper."""
+    timeouts), the reaper, and retention."""
     return [
         Periodic(SCHEDULE_TASK, settings.schedule_interval),
         Periodic(REAP_TASK, settings.heartbeat_interval),
         Periodic(ADVANCE_STUDIES_TASK, settings.schedule_interval),
         Periodic(ADVANCE_SCALING_TASK, settings.schedule_interval),
+        Periodic(RETENTION_TASK, settings.retention_interval),
     ]

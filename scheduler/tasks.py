@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from phalanx.schemas import TERMINAL_JOB_STATES, StudyState, TrialState
 from scheduler import service
 from scheduler.study_driver import Driver
-from server import checkpoints, scaling
+from server import checkpoints, retention, scaling
 from server.db import session_factory
 from server.models import Job, TuningStudy, TuningTrial
 from server.settings import get_settings
@@ -23,6 +23,7 @@ from server.task_names import (
     ADVANCE_STUDY_TASK,
     DELETE_CHECKPOINTS_TASK,
     REAP_TASK,
+    RETENTION_TASK,
     SCHEDULE_TASK,
 )
 from server.task_queue import PendingPasses, enqueuer
@@ -65,6 +66,14 @@ def reap() -> int:
         for job_id in checkpoints.jobs_with_deletions(session):
             checkpoints.delete_marked(session, job_id)
     return len(woken)
+
+
+@shared_task(name=RETENTION_TASK)  # type: ignore[untyped-decorator]
+def apply_retention() -> int:
+    """Periodic: old metric points thinned and old log lines deleted (`server.retention`), for at
+    most `retention_pass_seconds`. The slices done."""
+    settings = get_settings()
+    return retention.retention_pass(_sessions().begin, settings.retention, settings.retention_pass_seconds).slices
 
 
 @shared_task(name=DELETE_CHECKPOINTS_TASK)  # type: ignore[untyped-decorator]

@@ -5,11 +5,71 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from phalanx.bundle_limits import DEFAULT_MAX_FILES, DEFAULT_MAX_UNPACKED_BYTES
 from phalanx.schemas.specs import MAX_GRID_COMBINATIONS
+
+
+class MetricTier(BaseModel):
+    """Metric points older than `after_days` are thinned, per series, to the first, last, lowest
+    and highest point of each bucket of `bucket_steps` steps (`server.retention`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after_days: float = Field(gt=0, le=36_500)
+    bucket_steps: int = Field(ge=4, le=1_000_000_000)
+
+
+class RetentionPolicy(BaseModel):
+    """What retention keeps of one kind of job's metrics and logs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Oldest last: each tier's age and bucket are above the one before it, and each bucket a
+    # multiple of the one before (a coarser bucket is then a union of finer ones, and thinning it
+    # again keeps exactly what thinning every point at once would).
+    metric_tiers: list[MetricTier] = Field(default_factory=list, max_length=8)
+    # Log lines older than this are deleted; None keeps them for the job's lifetime.
+    log_days: float | None = Field(None, gt=0, le=36_500)
+
+    @model_validator(mode="after")
+    def _tiers_nest(self) -> RetentionPolicy:
+        for finer, coarser in zip(self.metric_tiers, self.metric_tiers[1:], strict=False):
+            if coarser.after_days <= finer.after_days or coarser.bucket_steps % finer.bucket_steps:
+                raise ValueError(
+                    "each metric tier must come after the one before it (larger after_days) and its "
+                    f"bucket_steps must be a multiple of the one before ({finer.bucket_steps}); "
+                    f"got after_days={coarser.after_days:g}, bucket_steps={coarser.bucket_steps}"
+                )
+        return self
+
+
+def _job_retention() -> RetentionPolicy:
+    # A week at full resolution, then ≤ 4 points per 40 steps, and after 30 days per 400: a
+    # weeks-long job's 2,000-point chart looks the same (its envelope is kept) from ~10 and
+    # then ~100 times fewer rows.
+    return RetentionPolicy(
+        metric_tiers=[MetricTier(after_days=7, bucket_steps=40), MetricTier(after_days=30, bucket_steps=400)]
+    )
+
+
+def _trial_retention() -> RetentionPolicy:
+    # A study compares its trials by their reported values (kept on the trial), so their curves
+    # thin sooner.
+    return RetentionPolicy(
+        metric_tiers=[MetricTier(after_days=2, bucket_steps=40), MetricTier(after_days=14, bucket_steps=400)]
+    )
+
+
+class Retention(BaseModel):
+    """Per kind of job: `trial` for a study's trials, `job` for every other job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: RetentionPolicy = Field(default_factory=_job_retention)
+    trial: RetentionPolicy = Field(default_factory=_trial_retention)
 
 
 class Settings(BaseSettings):
@@ -62,6 +122,14 @@ class Settings(BaseSettings):
     # Other roots a job's `checkpoint.storage` may name (it may also name a sub-path of any root),
     # comma-separated URIs. Nothing else is accepted: no other protocol, no other place.
     checkpoint_roots: str = ""
+    # Old metric points thinned and old log lines deleted, per kind of job, as JSON, e.g.
+    # PHALANX_RETENTION='{"job": {"metric_tiers": [{"after_days": 7, "bucket_steps": 40}], "log_days": 90}}'
+    # (`server.retention`). A pass every `retention_interval` seconds stops starting slices after
+    # `retention_pass_seconds`; the rest waits for the next pass. Short: the pass runs on the
+    # scheduler's one worker, between placement and reaping passes.
+    retention: Retention = Field(default_factory=Retention)
+    retention_interval: float = Field(10.0, gt=0)
+    retention_pass_seconds: float = Field(1.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:

@@ -8,3 +8,4 @@ DELETE_CHECKPOINTS_TASK = "phalanx.delete_checkpoints"  # (job_id,)
 ADVANCE_STUDY_TASK = "phalanx.advance_study"  # (study_id,)
 ADVANCE_STUDIES_TASK = "phalanx.advance_studies"  # no arguments: a pass per running study
 ADVANCE_SCALING_TASK = "phalanx.advance_scaling"  # no arguments: a step of every running scaling run
+RETENTION_TASK = "phalanx.retention"  # no arguments: old metric points thinned, old log lines deleted

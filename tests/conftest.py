@@ -23,7 +23,7 @@ AGENT_TOKEN = "phx_a_test-agent-token"
 TABLES = (
     "tuning_trials, tuning_studies, slot_leases, log_lines, log_batches, metrics, metric_batches, checkpoints, "
     "allocation_nodes, "
-    "allocations, job_events, jobs, agents, api_tokens, team_members, teams, users, control_plane, "
+    "allocations, job_events, jobs, agents, api_tokens, team_members, teams, users, control_plane, retention_marks, "
     "studies"  # Optuna's; CASCADE empties its trial tables (its version_info stays)
 )
 

@@ -61,11 +61,14 @@ def restart_budgets(job: JobView) -> str:
 def jobs_list(
     state: Annotated[JobState | None, typer.Option(help="Only jobs in this state.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many.")] = 50,
+    before: Annotated[
+        int | None, typer.Option(help="Only jobs older than this job id (the next page; the table ends with it).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List jobs, newest first."""
+    """List jobs, newest first, a page of `--limit` at a time (`--before` for the next)."""
     with api() as client:
-        jobs = client.list_jobs(state.value if state else None, limit)
+        jobs, following = client.jobs_page(state.value if state else None, limit, before)
     if as_json:
         print_json(jobs)
         return
@@ -89,6 +92,9 @@ def jobs_list(
             note or "",
         )
     console.print(table)
+    if following is not None:
+        more = (f" --state {state.value}" if state else "") + (f" --limit {limit}" if limit != 50 else "")
+        console.print(f"older jobs: phalanx jobs list --before {following}{more}")
 
 
 def describe_runtime_env(job: JobDetail) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
@@ -54,16 +55,35 @@ def submit_job(
 def list_jobs(
     session: SessionDep,
     user: UserDep,
+    response: Response,
     state: schemas.JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0, le=MAX_ROW_ID)] = 0,
+    before: Annotated[
+        int | None,
+        Query(ge=1, le=MAX_ROW_ID, description="Only jobs with a smaller id: the next page after the job with this id"),
+    ] = None,
+    offset: Annotated[
+        int, Query(ge=0, le=MAX_ROW_ID, description="Rows to skip (slow deep down: prefer `before`)")
+    ] = 0,
 ) -> list[schemas.JobView]:
-    query = access.visible_jobs(user).order_by(Job.id.desc()).limit(limit).offset(offset)
-    if state is not None:
-        query = query.where(Job.state == state.value)
+    """Jobs newest first (by id). Page with `before`: when more jobs follow, the `X-Next-Before`
+    header holds the value for the next page (the last id shown) and `Link` its URL; a job
+    submitted between two pages never shifts the later ones, as it would with `offset`."""
     with session.begin():
-        rows = list(session.scalars(query))
-        return views.jobs(session, rows, queue=views.queue_snapshot_for(session, rows))
+        query = access.visible_jobs(user, access.member_teams(session, user)).order_by(Job.id.desc())
+        if before is not None:
+            query = query.where(Job.id < before)
+        if state is not None:
+            query = query.where(Job.state == state.value)
+        rows = list(session.scalars(query.limit(limit + 1).offset(offset)))
+        shown = rows[:limit]
+        listed = views.jobs(session, shown, queue=views.queue_snapshot_for(session, shown))
+    if len(rows) > limit:
+        next_before = shown[-1].id
+        params = {"limit": limit, "before": next_before, **({"state": state.value} if state is not None else {})}
+        response.headers["X-Next-Before"] = str(next_before)
+        response.headers["Link"] = f'</api/v1/jobs?{urlencode(params)}>; rel="next"'
+    return listed
 
 
 def _load_job_detail(session: Session, user: Principal, job_id: int) -> schemas.JobDetail:

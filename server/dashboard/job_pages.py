@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from phalanx import schemas
 from server import access, checkpoints, commands, views
-from server.api.deps import RankNumber, RowId, SessionDep, SettingsDep, Step
+from server.api.deps import MAX_ROW_ID, RankNumber, RowId, SessionDep, SettingsDep, Step
 from server.auth import Principal
 from server.dashboard import metric_series
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
@@ -41,28 +41,42 @@ def jobs_page(
     user: SignedIn,
     state: Annotated[str, Query()] = "",
     q: Annotated[str, Query(max_length=64)] = "",
-    page: Annotated[int, Query(ge=1, le=1_000_000)] = 1,
+    before: Annotated[int | None, Query(ge=1, le=MAX_ROW_ID)] = None,
+    after: Annotated[int | None, Query(ge=0, le=MAX_ROW_ID)] = None,
 ) -> Response:
+    """A page of PAGE_SIZE jobs, newest first: the newest, or those just older than job `before`
+    (the "older" link), or just newer than job `after` ("newer"). Keyset pages: each is one index
+    range however deep, and a job submitted meanwhile shifts none of them."""
     chosen = state if state in schemas.JobState.__members__ else ""
-    query = access.visible_jobs(user).order_by(Job.id.desc()).limit(PAGE_SIZE + 1).offset((page - 1) * PAGE_SIZE)
-    if chosen:
-        query = query.where(Job.state == chosen)
-    if q:
-        query = query.where(Job.name.contains(q, autoescape=True))
     with session.begin():
-        found = list(session.scalars(query))
+        query = access.visible_jobs(user, access.member_teams(session, user))
+        if chosen:
+            query = query.where(Job.state == chosen)
+        if q:
+            query = query.where(Job.name.contains(q, autoescape=True))
+        found: list[Job] = []
+        if after is not None:
+            found = list(session.scalars(query.where(Job.id > after).order_by(Job.id).limit(PAGE_SIZE + 1)))
+            newer, older = len(found) > PAGE_SIZE, True
+            found = found[:PAGE_SIZE][::-1]
+        if len(found) < PAGE_SIZE:  # no cursor, `before`, or fewer than a page newer: the newest page
+            newest = after is not None or before is None
+            bounded = query if newest else query.where(Job.id < before)
+            found = list(session.scalars(bounded.order_by(Job.id.desc()).limit(PAGE_SIZE + 1)))
+            newer, older = not newest, len(found) > PAGE_SIZE
+            found = found[:PAGE_SIZE]
         rows = views.jobs(session, found, queue=views.queue_snapshot_for(session, found))
         version = jobs_version(session)
     return render(
         request,
         "jobs.html",
         version=version,
-        jobs=rows[:PAGE_SIZE],
+        jobs=rows,
         states=list(schemas.JobState),
         state=chosen,
         q=q,
-        page=page,
-        more=len(rows) > PAGE_SIZE,
+        newer=newer and bool(rows),
+        older=older,
     )
 
 

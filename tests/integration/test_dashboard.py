@@ -79,9 +79,17 @@ def test_the_jobs_table_filters_searches_and_pages(client: TestClient, monkeypat
     assert f'data-job="{second}"' in searched and f'data-job="{first}"' not in searched
     assert "No jobs match" in client.get("/jobs?q=zzz").text
     monkeypatch.setattr(job_pages, "PAGE_SIZE", 1)
-    page1, page2 = client.get("/jobs").text, client.get("/jobs?page=2").text
-    assert f'data-job="{second}"' in page1 and "older →" in page1
-    assert f'data-job="{first}"' in page2 and "← newer" in page2 and "older →" not in page2
+    third = submit(client, name="gamma")
+    page1 = client.get("/jobs").text
+    assert f'data-job="{third}"' in page1 and f"before={third}" in page1 and "← newer" not in page1
+    page2 = client.get(f"/jobs?before={third}").text
+    assert f'data-job="{second}"' in page2 and f"after={second}" in page2 and f"before={second}" in page2
+    page3 = client.get(f"/jobs?before={second}").text
+    assert f'data-job="{first}"' in page3 and "← newer" in page3 and "older →" not in page3
+    back = client.get(f"/jobs?after={first}").text  # "← newer" from the oldest page
+    assert f'data-job="{second}"' in back and f"after={second}" in back and f"before={second}" in back
+    newest = client.get(f"/jobs?after={second}").text  # less than a page newer: the newest page
+    assert f'data-job="{third}"' in newest and "← newer" not in newest
 
 
 def test_user_text_is_escaped_everywhere(client: TestClient) -> None:
