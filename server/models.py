@@ -275,7 +275,7 @@ class Metric(Base):
         # Retention reads points by age. BRIN on PostgreSQL: rows arrive in time order, so a few
         # kilobytes summarise 100 M of them, at almost no cost to each insert (a B-tree here cost
         # ingest a third of its rate); SQLite has no BRIN and gets a B-tree.
-        Index("ix_metrics_time", "time", postgresql_using="brin"),
+        Index("ix_metrics_time", "time", postgresql_using="brin", postgresql_with={"autosummarize": "on"}),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
@@ -405,7 +405,8 @@ class LogLine(Base):
     __tablename__ = "log_lines"
     __table_args__ = (
         Index("ix_log_lines_job_id_id", "job_id", "id"),
-        Index("ix_log_lines_time", "time", postgresql_using="brin"),  # retention, as `Metric`'s
+        # retention, as `Metric`'s
+        Index("ix_log_lines_time", "time", postgresql_using="brin", postgresql_with={"autosummarize": "on"}),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)

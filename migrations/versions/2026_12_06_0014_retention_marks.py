@@ -26,8 +26,10 @@ def upgrade() -> None:
         sa.Column("until", sa.DateTime(), nullable=False),
         sa.PrimaryKeyConstraint("what", name=op.f("pk_retention_marks")),
     )
-    op.create_index("ix_metrics_time", "metrics", ["time"], postgresql_using="brin")
-    op.create_index("ix_log_lines_time", "log_lines", ["time"], postgresql_using="brin")
+    for table in ("metrics", "log_lines"):
+        op.create_index(
+            f"ix_{table}_time", table, ["time"], postgresql_using="brin", postgresql_with={"autosummarize": "on"}
+        )
 
 
 def downgrade() -> None:
