@@ -7,49 +7,24 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, select
+from sqlalchemy import select
 
 from phalanx.client import Client
 from phalanx.schemas import AgentState, JobSpec, JobState
 from server.dashboard import job_pages
-from server.db import engine_for, session_scope
+from server.db import session_scope
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, Team, User
 from server.settings import Settings
 from tests.conftest import ADMIN_TOKEN
 from tests.integration.test_dashboard import USER, sign_in, submit
+from tests.statements import counting
 
 pytestmark = pytest.mark.integration
 STATES = (JobState.COMPLETED, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED)
 SPEC = JobSpec.model_validate({"name": "j", "entrypoint": "python t.py", "resources": {"nodes": 1}})
-
-
-@dataclass
-class Statements:
-    count: int = 0
-
-
-@contextmanager
-def counting(url: str) -> Iterator[Statements]:
-    """Counts the SQL statements sent on the app's engine (`engine_for`, as `create_app` makes
-    its sessions) while the block runs."""
-    seen = Statements()
-
-    def before_cursor_execute(*_: Any) -> None:
-        seen.count += 1
-
-    engine = engine_for(url)
-    event.listen(engine, "before_cursor_execute", before_cursor_execute)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", before_cursor_execute)
 
 
 def add_rows(url: str, jobs: int, agents: int) -> None:

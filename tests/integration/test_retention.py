@@ -138,16 +138,24 @@ def series(now: datetime, steps: int, *, days: float, seed: int) -> list[Point]:
     return out
 
 
+def job_with_points(
+    sessions: Sessions, steps: int, *, days: float, seed: int, days_ago: float = 40
+) -> tuple[int, datetime, list[Point]]:
+    """A running job with `series` stored: its id, the database clock when made, the points."""
+    job_id, allocation_id = make_job(sessions, days_ago=days_ago)
+    with sessions() as session:
+        now = db_now(session)
+    points = series(now, steps, days=days, seed=seed)
+    add_points(sessions, job_id, allocation_id, points)
+    return job_id, now, points
+
+
 def run_pass(sessions: Sessions, job: RetentionPolicy, trial: RetentionPolicy = NOTHING) -> retention.PassReport:
     return retention.retention_pass(sessions, Retention(job=job, trial=trial), budget_s=600)
 
 
 def test_old_points_thin_to_the_m4_of_their_buckets_and_new_ones_stay(sessions: Sessions) -> None:
-    job_id, allocation_id = make_job(sessions)
-    with sessions() as session:
-        now = db_now(session)
-    points = series(now, 2_000, days=20, seed=1)
-    add_points(sessions, job_id, allocation_id, points)
+    job_id, now, points = job_with_points(sessions, 2_000, days=20, seed=1)
 
     report = run_pass(sessions, policy((7, 40)))
     assert report.finished and report.slices > 1  # in slices, each its own transaction
@@ -165,11 +173,7 @@ def test_old_points_thin_to_the_m4_of_their_buckets_and_new_ones_stay(sessions: 
 def test_thinning_in_pieces_and_in_coarser_tiers_keeps_what_thinning_at_once_keeps(sessions: Sessions) -> None:
     """A bucket thinned while half of it had aged is thinned again with its other half; the
     400-step tier thins what the 40-step tier kept. Both end where one thinning of every point does."""
-    job_id, allocation_id = make_job(sessions)
-    with sessions() as session:
-        now = db_now(session)
-    points = series(now, 3_000, days=30, seed=2)
-    add_points(sessions, job_id, allocation_id, points)
+    job_id, now, points = job_with_points(sessions, 3_000, days=30, seed=2)
     cuts = [now - timedelta(days=d) for d in (24.3, 17.7, 10.1)]
     since = None
     for cut in cuts:  # the age line moving in three steps that split buckets
@@ -217,11 +221,7 @@ def test_each_kind_keeps_its_own_policy_and_old_logs_go(sessions: Sessions) -> N
 
 
 def test_a_mark_held_by_another_pass_is_skipped_and_each_task_keeps_its_own(sessions: Sessions) -> None:
-    job_id, allocation_id = make_job(sessions)
-    with sessions() as session:
-        now = db_now(session)
-    points = series(now, 1_000, days=20, seed=4)
-    add_points(sessions, job_id, allocation_id, points)
+    job_id, _, _ = job_with_points(sessions, 1_000, days=20, seed=4)
     rules = policy((7, 40), (14, 400))
     run_pass(sessions, rules)
     with sessions() as session:
@@ -252,11 +252,7 @@ def test_a_mark_held_by_another_pass_is_skipped_and_each_task_keeps_its_own(sess
 
 
 def test_a_pass_stops_at_its_budget_and_the_next_carries_on(sessions: Sessions) -> None:
-    job_id, allocation_id = make_job(sessions, days_ago=20)
-    with sessions() as session:
-        now = db_now(session)
-    points = series(now, 1_000, days=20, seed=3)
-    add_points(sessions, job_id, allocation_id, points)
+    job_id, _, points = job_with_points(sessions, 1_000, days=20, seed=3, days_ago=20)
     rules = Retention(job=policy((7, 40)), trial=NOTHING)
     first = retention.retention_pass(sessions, rules, budget_s=0)
     assert first.slices == 1 and not first.finished  # one slice at least, then the budget is spent

@@ -3,43 +3,21 @@ whatever its length (no query per row), and the batched views say what the rows 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx.schemas import AgentState, JobSpec, JobState, StudySpec
 from server import jobs, studies, views
-from server.db import engine_for, session_factory, session_scope
+from server.db import session_factory, session_scope
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial, User
+from tests.statements import counting
 
 pytestmark = pytest.mark.integration
 ROWS = 50
-
-
-@dataclass
-class Statements:
-    count: int = 0
-
-
-@contextmanager
-def counting(url: str) -> Iterator[Statements]:
-    """Counts the SQL statements sent on the engine while the block runs."""
-    seen = Statements()
-
-    def before_cursor_execute(*_: Any) -> None:
-        seen.count += 1
-
-    engine = engine_for(url)
-    event.listen(engine, "before_cursor_execute", before_cursor_execute)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", before_cursor_execute)
 
 
 def statements(url: str, load: Callable[[Session], Sequence[Any]], convert: Callable[[Session, Any], object]) -> int:
