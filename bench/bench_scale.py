@@ -415,6 +415,11 @@ class Simulation:
                     break
                 if time.monotonic() - released > FIRST_PLACEMENT_TIMEOUT_S and last == before:
                     raise BenchError(f"nothing was placed within {FIRST_PLACEMENT_TIMEOUT_S:.0f} s of the release")
+            # the slots can fill between the two counts of one poll: count the attempts once more
+            final = await placed()
+            if final > last:
+                last, last_rise = final, time.monotonic()
+            log(f"fill: {last - before} attempts placed, {peak_held} slots held, {last_rise - released:.2f} s")
             seconds = last_rise - released
         placements = last - before
         return {
