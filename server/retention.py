@@ -32,6 +32,7 @@ slices then read more blocks, never wrong ones.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -41,11 +42,14 @@ from typing import Any, Literal
 
 from sqlalchemy import ColumnElement, and_, delete, exists, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from server.models import Job, LogLine, Metric, RetentionMark, TuningTrial
 from server.settings import Retention, RetentionPolicy
 from server.transitions import db_now
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["job", "trial"]
 KINDS: tuple[Kind, ...] = ("job", "trial")
@@ -198,7 +202,13 @@ def summarize_new_rows(session: Session) -> None:
     if session.get_bind().dialect.name != "postgresql":
         return
     for index in ("ix_metrics_time", "ix_log_lines_time"):
-        session.execute(select(func.brin_summarize_new_values(text(f"'{index}'::regclass"))))
+        try:
+            with session.begin_nested():
+                session.execute(select(func.brin_summarize_new_values(text(f"'{index}'::regclass"))))
+        except DBAPIError as exc:
+            # Only the index's owner may summarise: a server whose database user does not own
+            # the tables relies on autovacuum (slower slices until it has run, never wrong ones).
+            log.warning("retention: cannot summarise %s, leaving it to autovacuum: %s", index, exc.orig)
 
 
 @dataclass

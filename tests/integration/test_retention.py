@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 
+import psycopg
 import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -22,6 +23,7 @@ from server.ingest import insert_metrics
 from server.models import Allocation, Job, LogLine, Metric, RetentionMark, TuningStudy, TuningTrial, User
 from server.settings import MetricTier, Retention, RetentionPolicy, Settings
 from server.transitions import db_now
+from tests.conftest import PG_ADMIN
 
 Sessions = Callable[[], AbstractContextManager[Session]]
 
@@ -270,3 +272,29 @@ def test_tiers_must_nest() -> None:
     with pytest.raises(ValueError, match="after the one before"):
         policy((7, 40), (7, 400))
     assert Settings(retention={"job": {"metric_tiers": [{"after_days": 1, "bucket_steps": 8}]}}).retention.trial
+
+
+def test_a_database_user_that_does_not_own_the_tables_still_thins(settings: Settings) -> None:
+    """Summarising BRIN ranges needs the index's owner; without it a pass goes on (autovacuum
+    summarises them) and still thins."""
+    role = "phalanx_not_owner"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+    database = settings.database_url.rsplit("/", 1)[1]
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{database}", autocommit=True) as owner:
+        owner.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        owner.execute(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    url = settings.database_url.replace("postgres@", f"{role}@")
+    try:
+        sessions = partial(session_scope, url)
+        job_id, _, points = job_with_points(sessions, 1_000, days=20, seed=5)
+        report = run_pass(sessions, policy((7, 40)))
+        assert report.finished and report.deleted > 0
+        assert stored(sessions, job_id) == m4(points, 40, mark(sessions, "job:metrics/40"))
+    finally:
+        engine_for(url).dispose()
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{database}", autocommit=True) as owner:
+            owner.execute(f"DROP OWNED BY {role}")
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
