@@ -27,8 +27,10 @@ from phalanx.train._data import PreparedDataLoader, prepare_data_loader
 from phalanx.train._env import RuntimeEnv, read_env
 from phalanx.train._metrics import MetricPipeline, MetricRecordDict, MetricSink, MetricStats
 from phalanx.train._profile import OnDemandProfiler
+from phalanx.train._teardown import wait_for_idle_gloo_workers
 
 DEFAULT_FINISH_TIMEOUT_S = 10.0
+GLOO_IDLE_TIMEOUT_S = 2.0
 # should_stop() shares the ranks' stop flags about this often (a round costs a small all_reduce,
 # ~0.3 ms of CPU on gloo here: every step would cost a fast step ~20 %), in at most this many calls.
 STOP_CHECK_PERIOD_S = 0.1
@@ -453,6 +455,9 @@ class Context:
             self._stop_round = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self.world_size > 1:
+            # Before the interpreter finalizes: see _teardown for the abort this avoids.
+            wait_for_idle_gloo_workers(min(timeout, GLOO_IDLE_TIMEOUT_S))
         if (
             self._sigterm_installed
             and threading.current_thread() is threading.main_thread()
