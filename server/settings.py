@@ -104,6 +104,11 @@ class Settings(BaseSettings):
     max_held_requests_per_holder: int = Field(16, ge=1)
     max_held_requests: int = Field(1024, ge=1)
     schedule_interval: float = Field(3.0, gt=0)
+    # A queue snapshot (places in line, reasons, start estimates: one placement pass over the whole
+    # queue) serves every request of the next this-many seconds that shows no job newer than it
+    # (`server.queue_status.queue_snapshot`); 0 computes one per request. Kueue's pending-workloads
+    # view refreshes every 5 s.
+    queue_snapshot_seconds: float = Field(5.0, ge=0, le=300)
     # Fair sharing (`server/placement.py`): how fast past usage is forgiven (Slurm's
     # PriorityDecayHalfLife), what a preempted job gets between SIGTERM and SIGKILL to checkpoint,
     # and how long a job runs before it may be preempted at all.

@@ -33,7 +33,7 @@ from server.models import (
     User,
 )
 from server.queue_status import QueueSnapshot, queue_snapshot
-from server.settings import get_settings
+from server.settings import Settings
 
 # Loader options for a query whose rows `job_detail` converts: events, attempts, nodes and agents
 # in four queries, whatever the number of attempts.
@@ -92,11 +92,20 @@ def jobs(
     return result
 
 
-def queue_snapshot_for(session: Session, rows: Sequence[Job]) -> QueueSnapshot | None:
-    """The queue's state, when some of the rows wait in it (one placement pass, so once per request)."""
-    if any(row.state == schemas.JobState.QUEUED.value for row in rows):
-        return queue_snapshot(session, get_settings())
+def queue_snapshot_for(session: Session, rows: Sequence[Job], settings: Settings) -> QueueSnapshot | None:
+    """The queue's state, when some of the rows wait in it (a kept snapshot, or one placement pass)."""
+    queued = [row.id for row in rows if row.state == schemas.JobState.QUEUED.value]
+    if queued:
+        return queue_snapshot(session, settings, showing=queued)
     return None
+
+
+def newest_queued(session: Session) -> list[int]:
+    """The newest QUEUED job's id (or none): a queue shown whole must be as new as it."""
+    newest = session.scalars(
+        select(Job.id).where(Job.state == schemas.JobState.QUEUED.value).order_by(Job.id.desc()).limit(1)
+    ).first()
+    return [] if newest is None else [newest]
 
 
 def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot, limit: int) -> schemas.QueueView:
@@ -155,9 +164,9 @@ def owner_names(session: Session, rows: Sequence[Job | TuningStudy]) -> dict[int
     return names
 
 
-def job_detail(session: Session, row: Job) -> schemas.JobDetail:
+def job_detail(session: Session, row: Job, settings: Settings) -> schemas.JobDetail:
     return schemas.JobDetail(
-        **jobs(session, [row], queue=queue_snapshot_for(session, [row]))[0].model_dump(),
+        **jobs(session, [row], queue=queue_snapshot_for(session, [row], settings))[0].model_dump(),
         events=[
             schemas.JobEventView(
                 time=e.time,

@@ -76,6 +76,7 @@ def settings(clean_db: str, clean_redis: str, tmp_path: Path) -> Settings:
         agent_token=AGENT_TOKEN,
         heartbeat_interval=0.5,
         heartbeat_timeout=3.0,
+        queue_snapshot_seconds=0,  # each read sees the queue as it is; test_queue_snapshots.py keeps them
     )
 
 

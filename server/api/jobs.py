@@ -33,6 +33,7 @@ from server.api.uploads import parse_spec
 from server.auth import Principal
 from server.errors import NotFound
 from server.models import Job, LogLine, Metric
+from server.settings import Settings
 from server.wakeups import job_channel, job_data_channel
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -54,6 +55,7 @@ def submit_job(
 @router.get("", response_model=list[schemas.JobView])
 def list_jobs(
     session: SessionDep,
+    settings: SettingsDep,
     user: UserDep,
     response: Response,
     state: schemas.JobState | None = None,
@@ -77,7 +79,7 @@ def list_jobs(
             query = query.where(Job.state == state.value)
         rows = list(session.scalars(query.limit(limit + 1).offset(offset)))
         shown = rows[:limit]
-        listed = views.jobs(session, shown, queue=views.queue_snapshot_for(session, shown))
+        listed = views.jobs(session, shown, queue=views.queue_snapshot_for(session, shown, settings))
     if len(rows) > limit:
         next_before = shown[-1].id
         params = {"limit": limit, "before": next_before, **({"state": state.value} if state is not None else {})}
@@ -86,11 +88,11 @@ def list_jobs(
     return listed
 
 
-def _load_job_detail(session: Session, user: Principal, job_id: int) -> schemas.JobDetail:
+def _load_job_detail(session: Session, user: Principal, job_id: int, settings: Settings) -> schemas.JobDetail:
     with session.begin():
         access.job_for(session, user, job_id)
         job = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
-        return views.job_detail(session, job)
+        return views.job_detail(session, job, settings)
 
 
 @router.get("/{job_id}", response_model=schemas.JobDetail)
@@ -115,7 +117,7 @@ async def show_job(
 
     def load() -> schemas.JobDetail:
         with sessions() as session:
-            return _load_job_detail(session, user, job_id)
+            return _load_job_detail(session, user, job_id, settings)
 
     if state is None or wait <= 0:
         return await run_in_threadpool(load)

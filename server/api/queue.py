@@ -24,5 +24,5 @@ def show_queue(
     """Every queued job in the order the next scheduling pass considers them, held jobs last. Jobs
     you may not read show only their team, size and place."""
     with session.begin():
-        snapshot = queue_snapshot(session, settings)
+        snapshot = queue_snapshot(session, settings, showing=views.newest_queued(session))
         return views.queue_view(session, access.readable_queued_jobs(session, user), snapshot, limit)

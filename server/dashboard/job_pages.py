@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from phalanx import schemas
 from server import access, checkpoints, commands, views
-from server.api.deps import MAX_ROW_ID, RankNumber, RowId, SessionDep, SettingsDep, Step
+from server.api.deps import MAX_ROW_ID, RankNumber, RowId, SessionDep, SettingsDep, Step, get_settings
 from server.auth import Principal
 from server.dashboard import metric_series
 from server.dashboard.render import CsrfChecked, PageNotFound, SignedIn, render
@@ -65,7 +65,7 @@ def jobs_page(
             found = list(session.scalars(bounded.order_by(Job.id.desc()).limit(PAGE_SIZE + 1)))
             newer, older = not newest, len(found) > PAGE_SIZE
             found = found[:PAGE_SIZE]
-        rows = views.jobs(session, found, queue=views.queue_snapshot_for(session, found))
+        rows = views.jobs(session, found, queue=views.queue_snapshot_for(session, found, get_settings(request)))
         version = jobs_version(session)
     return render(
         request,
@@ -93,7 +93,7 @@ def _job_page(
         may_change = access.may_change_job(session, user, readable)
         may_hold = access.may_hold_job(session, user, readable)
         row = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
-        job = views.job_detail(session, row)
+        job = views.job_detail(session, row, get_settings(request))
         saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
         log_cursor = session.execute(select(func.max(LogLine.id)).where(LogLine.job_id == job_id)).scalar_one() or 0
         tail = [views.log_record(r) for r in reversed(list(session.scalars(_log_query(job_id, None, LOG_TAIL))))]

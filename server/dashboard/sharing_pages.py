@@ -89,7 +89,7 @@ def release_team(team: str, session: SessionDep, user: SignedIn, _: CsrfChecked)
 @router.get("/queue", response_model=None)
 def queue_page(request: Request, session: SessionDep, settings: SettingsDep, user: SignedIn) -> Response:
     with session.begin():
-        snapshot = queue_snapshot(session, settings)
+        snapshot = queue_snapshot(session, settings, showing=views.newest_queued(session))
         queue = views.queue_view(session, access.readable_queued_jobs(session, user), snapshot, limit=1000)
     return render(request, "queue.html", queue=queue)
 

@@ -1,0 +1,120 @@
+"""A queue snapshot kept for `queue_snapshot_seconds`: the reads within that time share it (no
+placement pass of their own), a job submitted since gets a fresh one, and an old one is replaced."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server import queue_status
+from server.app import create_app
+from server.db import session_scope
+from server.settings import Settings
+from tests.agent_tokens import register_agent
+from tests.integration.test_api import USER
+from tests.integration.test_fair_share import job, schedule, submit
+
+KEPT_S = 60.0
+
+
+@pytest.fixture
+def kept_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"queue_snapshot_seconds": KEPT_S})
+
+
+@pytest.fixture
+def client(kept_settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(kept_settings, enqueue=lambda *_, **__: None), follow_redirects=False) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many queued jobs each snapshot computed in this process saw, in order."""
+    seen: list[int] = []
+    compute = queue_status.compute_queue_snapshot
+
+    def counted(*args: Any) -> queue_status.QueueSnapshot:
+        snapshot = compute(*args)
+        seen.append(len(snapshot.queued))
+        return snapshot
+
+    monkeypatch.setattr(queue_status, "compute_queue_snapshot", counted)
+    queue_status._kept.clear()
+    return seen
+
+
+def test_reads_share_a_kept_snapshot_until_a_newer_job_is_shown(
+    client: TestClient, kept_settings: Settings, computed: list[int]
+) -> None:
+    register_agent(client, "n1", cpu_slots=1)
+    running = submit(client, USER, "running")
+    schedule(kept_settings)
+    first, second = submit(client, USER, "first"), submit(client, USER, "second")
+    assert job(client, second)["queue"]["position"] == 2
+    assert computed == [2]
+    for _ in range(3):
+        assert job(client, first)["queue"]["position"] == 1
+        listed = client.get("/api/v1/jobs", headers=USER).json()
+        assert [row["queue"]["position"] if row["queue"] else None for row in listed] == [2, 1, None]
+    assert client.get("/api/v1/queue", headers=USER).json()["queued"] == 2
+    assert computed == [2], "every read within the kept time shared the first snapshot"
+
+    third = submit(client, USER, "third")  # newer than the kept snapshot: shown, it gets a fresh one
+    assert job(client, third)["queue"]["position"] == 3
+    assert computed == [2, 3]
+    assert job(client, running)["queue"] is None  # a job that waits for nothing needs no snapshot
+    assert computed == [2, 3]
+
+
+def test_a_snapshot_older_than_the_kept_time_is_replaced(
+    client: TestClient, kept_settings: Settings, computed: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register_agent(client, "n1", cpu_slots=1)
+    submit(client, USER, "running")
+    schedule(kept_settings)
+    waiting = submit(client, USER, "waiting")
+    assert job(client, waiting)["queue"]["position"] == 1
+    assert client.post(f"/api/v1/jobs/{waiting}/hold", headers=USER).json()["held"] is True
+    assert job(client, waiting)["queue"]["position"] == 1, "kept: the hold shows once the snapshot is replaced"
+    later = queue_status._clock() + KEPT_S + 1
+    monkeypatch.setattr(queue_status, "_clock", lambda: later)
+    assert job(client, waiting)["queue"]["position"] is None
+    assert computed == [1, 1]
+
+
+def test_requests_that_come_while_one_computes_take_its_snapshot(
+    kept_settings: Settings, client: TestClient, computed: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register_agent(client, "n1", cpu_slots=1)
+    submit(client, USER, "running")
+    schedule(kept_settings)
+    submit(client, USER, "waiting")
+    inside, release = threading.Event(), threading.Event()
+    compute = queue_status.compute_queue_snapshot
+
+    def slow(*args: Any) -> queue_status.QueueSnapshot:
+        inside.set()
+        assert release.wait(10)
+        return compute(*args)
+
+    monkeypatch.setattr(queue_status, "compute_queue_snapshot", slow)
+    results: list[queue_status.QueueSnapshot] = []
+
+    def read() -> None:
+        with session_scope(kept_settings.database_url) as session:
+            results.append(queue_status.queue_snapshot(session, kept_settings))
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    readers[0].start()
+    assert inside.wait(10)
+    for reader in readers[1:]:
+        reader.start()
+    release.set()
+    for reader in readers:
+        reader.join(10)
+    assert len(results) == 4 and all(result is results[0] for result in results)
