@@ -66,6 +66,7 @@ from bench._common import (
     postgres_env,
     start_server,
 )
+from phalanx._retry import backoff_delay
 from stack.supervisor import free_port
 
 API = "/api/v1"
@@ -74,6 +75,7 @@ HEARTBEAT_INTERVAL_S = 2.0  # the agents' default (worker_agent.agent.AgentConfi
 WORK_WAIT_S = 20.0  # the agents' long-poll, capped by the server's work_poll_seconds
 READS_PER_S = 10.0
 RECONNECTS = 2
+REFUSED_RETRY_S = 120.0  # how long a call refused with 429 is sent again, as the clients' retries run
 ENDED_OK = (204, 409)
 PROGRESS_S = 10.0
 SUBMITTERS = 8
@@ -133,16 +135,25 @@ class Api:
     ) -> Any:
         headers = {"Authorization": f"Bearer {token}"}
         started = time.perf_counter()
-        for attempt in range(RECONNECTS + 1):
-            try:
-                async with self.http.request(method, self.url + API + path, headers=headers, **kw) as answer:
-                    body = await answer.read()
+        refusals = 0
+        while True:
+            for attempt in range(RECONNECTS + 1):
+                try:
+                    async with self.http.request(method, self.url + API + path, headers=headers, **kw) as answer:
+                        body = await answer.read()
+                    break
+                except aiohttp.ServerDisconnectedError:
+                    # a kept-alive connection the server closed as it was reused: send again, as
+                    # the agent's own client does
+                    if attempt == RECONNECTS:
+                        raise
+            if answer.status != 429 or time.perf_counter() - started > REFUSED_RETRY_S:
                 break
-            except aiohttp.ServerDisconnectedError:
-                # a kept-alive connection the server closed as it was reused: send again, as
-                # the agent's own client does
-                if attempt == RECONNECTS:
-                    raise
+            # a full admission line (server/admission.py): back off and send again, as the
+            # agent's and the ranks' clients do (phalanx._retry)
+            refusals += 1
+            self.tally.statuses[f"{route} 429"] += 1
+            await asyncio.sleep(backoff_delay(refusals))
         self.tally.note(route, answer.status, time.perf_counter() - started)
         if answer.status not in expect:
             raise ApiFailed(route, answer.status, body[:300].decode(errors="replace"))
