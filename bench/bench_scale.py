@@ -257,7 +257,9 @@ class SimulatedAgent:
         try:
             # 409: the attempt ended meanwhile (its agent was declared lost, a peer failed): the
             # agent stops the node, as the real one does
-            if rank == 0:
+            if a["nnodes"] == 1:
+                pass  # a one-node job meets on its own host: no rendezvous (worker_agent.agent)
+            elif rank == 0:
                 port = {"master_port": 29500}
                 await self.sim.api.call(
                     "rendezvous", "POST", f"{base}/rendezvous", self.token, json=port, expect=ENDED_OK

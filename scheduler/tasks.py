@@ -4,6 +4,7 @@ study's driver) is carried out after its commit by the sessions' `publish_after_
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 from celery import current_app, shared_task
@@ -12,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from phalanx.schemas import TERMINAL_JOB_STATES, StudyState, TrialState
 from scheduler import service
+from scheduler.pacing import PassPacing
 from scheduler.study_driver import Driver
 from server import checkpoints, retention, scaling
 from server.db import session_factory
@@ -26,7 +28,7 @@ from server.task_names import (
     RETENTION_TASK,
     SCHEDULE_TASK,
 )
-from server.task_queue import PendingPasses, enqueuer
+from server.task_queue import EXPIRES_S, PendingPasses, enqueuer
 from server.wakeups import Publisher, publish_after_commit
 
 
@@ -44,13 +46,26 @@ def _sessions() -> sessionmaker[Session]:
     return sessions
 
 
+_pacing = PassPacing()  # this worker process's passes
+
+
 @shared_task(name=SCHEDULE_TASK)  # type: ignore[untyped-decorator]
 def schedule() -> int:
-    """One placement pass. Requests that come from now on need a pass of their own: this one may
+    """One placement pass, or, within the rest after the last one (`scheduler.pacing`), the same
+    task again once the rest is over: until then the pass stays pending, and the requests that
+    come meanwhile join it. Requests that come once it starts need a pass of their own: it may
     read before their commits (`task_queue.PendingPasses`)."""
+    rest = _pacing.delay(time.monotonic())
+    if rest > 0:
+        current_app.send_task(SCHEDULE_TASK, countdown=rest, expires=rest + EXPIRES_S)
+        return 0
     _pending().clear(SCHEDULE_TASK)
-    with _sessions().begin() as session:
-        woken = service.schedule_pass(session)
+    began = time.monotonic()
+    try:
+        with _sessions().begin() as session:
+            woken = service.schedule_pass(session)
+    finally:
+        _pacing.ran(began, time.monotonic())
     return len(woken)
 
 

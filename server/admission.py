@@ -14,8 +14,8 @@ past `queue` waiting, the answer is 429 with Retry-After at once, which every Ph
 retries with backoff. Each lane has its own limit, so a storm of one kind (node reports, a
 study's ranks reporting) does not hold up the others:
 
-- `agents`: the agents' calls (register, node reports, logs, environment locks) and the job code
-  they download;
+- `agents`: the agents' calls (register, work without a wait, node reports, logs, environment
+  locks) and the job code they download (an admin's agent list, drain and undrain are `users`);
 - `ranks`: what training ranks send (metrics, checkpoints, profiles);
 - `users`: everything else: the REST API, the dashboard, the CLI.
 
@@ -43,7 +43,7 @@ from server.security_headers import ALWAYS, CONTENT_SECURITY_POLICY
 
 LANES = ("agents", "ranks", "users")
 RETRY_AFTER_S = 1
-_AGENT_PATHS = re.compile(r"/api/v1/(agents/.*|jobs/[0-9]+/bundle)")
+_AGENT_PATHS = re.compile(r"/api/v1/(agents/register|agents/[0-9]+/(work|allocations/.*)|jobs/[0-9]+/bundle)")
 _RANK_PATHS = re.compile(r"/api/v1/allocations/.*")
 _HEARTBEAT = re.compile(r"/api/v1/agents/[0-9]+/heartbeat")
 # held open by design, or as long as a large file takes to send
