@@ -224,7 +224,8 @@ class SimulatedAgent:
                     "GET",
                     f"/agents/{self.agent_id}/work",
                     self.token,
-                    params={"version": self.version, "wait": str(WORK_WAIT_S)},
+                    # jittered as the agent jitters it (worker_agent.agent)
+                    params={"version": self.version, "wait": str(WORK_WAIT_S * random.uniform(0.9, 1.0))},
                 )
             except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
                 self.sim.note_error("work", exc)

@@ -16,7 +16,6 @@ from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry
 
 from server import auth, dashboard, task_queue
-from server.admission import Admission, AdmissionGate
 from server.api import agents, allocations, docs, jobs, ops, queue, scaling, studies, teams, tokens, usage
 from server.api.deps import Services, get_principal, install_services
 from server.api.heartbeat_path import HeartbeatFastPath
@@ -74,8 +73,6 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     registry.register(ops.StateCollector(sessions))
     holds = HeldRequests(settings.max_held_requests_per_holder, settings.max_held_requests)
     registry.register(ops.HeldCollector(holds))
-    admission = Admission(settings.admission_limit, settings.admission_queue)
-    registry.register(ops.AdmissionCollector(admission))
     services = Services(
         settings=settings,
         sessions=sessions,
@@ -92,7 +89,6 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     # outside it, reads none)
     app.add_middleware(BodyCapMiddleware, cap=caps_for(settings))
     app.add_middleware(SecurityHeadersMiddleware)
-    app.add_middleware(AdmissionGate, admission=admission)  # before the framework's own work
     app.add_middleware(HeartbeatFastPath, services=services)  # outermost: see its module
 
     @app.exception_handler(Exception)

@@ -103,13 +103,6 @@ class Settings(BaseSettings):
     # agent), and in all; past either, 429 with Retry-After (`server/holds.py`).
     max_held_requests_per_holder: int = Field(16, ge=1)
     max_held_requests: int = Field(1024, ge=1)
-    # Requests worked on at once per lane (agents, ranks, users) and per server process, and how
-    # many may wait in a lane's line before the next is answered 429 (`server/admission.py`): a
-    # line long enough for a cluster's fill, as refusing makes every client come back (measured:
-    # 2,000 let 40,000 refusals and their retries take the server's core).
-    # Three lanes of 3 keep within the 8 worker threads, so a lane always finds a thread.
-    admission_limit: int = Field(3, ge=1, le=256)
-    admission_queue: int = Field(20_000, ge=0, le=1_000_000)
     schedule_interval: float = Field(3.0, gt=0)
     # A queue snapshot (places in line, reasons, start estimates: one placement pass over the whole
     # queue) serves every request of the next this-many seconds that shows no job newer than it

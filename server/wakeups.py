@@ -262,9 +262,16 @@ class Waiter:
         changed: Callable[[T], bool],
         timeout: float,
         interrupt: asyncio.Event | None = None,
+        reread_at_timeout: bool = True,
     ) -> T:
         """Long-poll: `load()` (in a worker thread) until `changed` says so, `timeout` passes or
-        `interrupt` is set; re-read on every wake-up of `channel`. Returns the last value loaded."""
+        `interrupt` is set; re-read on every wake-up of `channel`. Returns the last value loaded.
+
+        Without `reread_at_timeout`, a timeout that no wake-up preceded returns the last value
+        without reading again (not when polling files): every change wakes its channel, and a
+        wake-up that was lost (Redis reconnecting, a subscription not made yet) is caught by the
+        caller's next long-poll, whose first read compares. For callers that poll again at once,
+        the agents: at 1,000 agents that is half the work long-polls' reads."""
         deadline = time.monotonic() + timeout
         async with self.listen(channel) as event:
             relay = asyncio.create_task(_relay(interrupt, event)) if interrupt is not None else None
@@ -278,6 +285,9 @@ class Waiter:
                         return value
                     await self.wait(event, remaining, channel, mark)
                     if interrupt is not None and interrupt.is_set():
+                        return value
+                    quiet = not self.polling and not event.is_set()
+                    if not reread_at_timeout and quiet and time.monotonic() >= deadline:
                         return value
             finally:
                 if relay is not None:

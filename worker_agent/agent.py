@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import pwd
+import random
 import shutil
 import threading
 import time
@@ -463,7 +464,10 @@ class AgentDaemon:
         version = ""
         while not self.stopping.is_set():
             try:
-                work = self.client.agent_work(self.agent_id, version, wait=self.config.poll_seconds)
+                # up to a tenth shorter, at random: agents that polled together (a cluster's fill,
+                # a server restart) come back spread out, not all in the same instant each time
+                wait = self.config.poll_seconds * random.uniform(0.9, 1.0)
+                work = self.client.agent_work(self.agent_id, version, wait=wait)
             except httpx.TransportError as exc:
                 log.warning("cannot reach the server (%s); retrying", exc)
                 self.stopping.wait(1.0)

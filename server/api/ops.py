@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.admission import Admission
 from server.api.deps import UserDep, get_services, get_sessions
 from server.holds import HeldRequests
 from server.models import Agent, Job
@@ -55,25 +54,6 @@ class HeldCollector(Collector):
         for kind, count in sorted(self._holds.by_kind().items()):
             held.add_metric([kind], count)
         yield held
-
-
-class AdmissionCollector(Collector):
-    """Each admission lane's requests in progress, waiting, and refused (`server/admission.py`):
-    a lane that refuses is one this process cannot keep up with; add a replica."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["lane"]
-        working = GaugeMetricFamily("phalanx_admission_in_progress", "Requests being worked on, by lane", labels=labels)
-        waiting = GaugeMetricFamily("phalanx_admission_waiting", "Requests waiting their turn, by lane", labels=labels)
-        refused = CounterMetricFamily("phalanx_admission_refused", "Requests refused (429), by lane", labels=labels)
-        for name, lane in self._admission.lanes.items():
-            working.add_metric([name], lane.in_progress)
-            waiting.add_metric([name], lane.waiting)
-            refused.add_metric([name], lane.refused)
-        yield from (working, waiting, refused)
 
 
 @router.get("/healthz")
