@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, agents, attempts, auth, checkpoints, commands, views
-from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, UserDep
+from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, SessionsDep, UserDep
 from server.api.uploads import invalid_batch
 from server.errors import Conflict, Forbidden, NotFound
 from server.ingest import batch_identity, first_delivery, from_unix
@@ -229,35 +229,53 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
     services.enqueue(REAP_TASK, countdown=delay)
 
 
+# The node reports below come by the thousand when a cluster fills or drains. Each is an async
+# route that runs its transaction in one worker thread: a sync route with a session dependency
+# costs three thread hand-offs (open, call, close), and at a fill the event loop spent more on
+# those than the routes spent on their queries (`bench/bench_scale.py`).
+
+
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
-def rendezvous(
-    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, session: SessionDep, principal: AgentDep
+async def rendezvous(
+    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, sessions: SessionsDep, principal: AgentDep
 ) -> Response:
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
     access.agent_acts_as(principal, agent_id)
-    with session.begin():
-        attempts.set_rendezvous(session, agent_id, allocation_id, body.master_port)
+
+    def report() -> None:
+        with sessions() as session, session.begin():
+            attempts.set_rendezvous(session, agent_id, allocation_id, body.master_port)
+
+    await run_in_threadpool(report)
     return Response(status_code=204)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/started", status_code=204)
-def node_started(
-    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, session: SessionDep, principal: AgentDep
+async def node_started(
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, sessions: SessionsDep, principal: AgentDep
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
-    with session.begin():
-        attempts.report_node_started(session, agent_id, allocation_id, body.node_rank)
+
+    def report() -> None:
+        with sessions() as session, session.begin():
+            attempts.report_node_started(session, agent_id, allocation_id, body.node_rank)
+
+    await run_in_threadpool(report)
     return Response(status_code=204)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/exit", status_code=204)
-def node_exit(
-    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, session: SessionDep, principal: AgentDep
+async def node_exit(
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, sessions: SessionsDep, principal: AgentDep
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
-    with session.begin():
-        allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
-        attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason, body.cause)
+
+    def report() -> None:
+        with sessions() as session, session.begin():
+            allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
+            attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason, body.cause)
+
+    await run_in_threadpool(report)
     return Response(status_code=204)
 
 

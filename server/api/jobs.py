@@ -53,8 +53,8 @@ def submit_job(
 
 
 @router.get("", response_model=list[schemas.JobView])
-def list_jobs(
-    session: SessionDep,
+async def list_jobs(
+    sessions: SessionsDep,
     settings: SettingsDep,
     user: UserDep,
     response: Response,
@@ -71,17 +71,21 @@ def list_jobs(
     """Jobs newest first (by id). Page with `before`: when more jobs follow, the `X-Next-Before`
     header holds the value for the next page (the last id shown) and `Link` its URL; a job
     submitted between two pages never shifts the later ones, as it would with `offset`."""
-    with session.begin():
-        query = access.visible_jobs(user, access.member_teams(session, user)).order_by(Job.id.desc())
-        if before is not None:
-            query = query.where(Job.id < before)
-        if state is not None:
-            query = query.where(Job.state == state.value)
-        rows = list(session.scalars(query.limit(limit + 1).offset(offset)))
-        shown = rows[:limit]
-        listed = views.jobs(session, shown, queue=views.queue_snapshot_for(session, shown, settings))
-    if len(rows) > limit:
-        next_before = shown[-1].id
+
+    def read() -> tuple[int | None, list[schemas.JobView]]:  # one worker thread (see server/api/agents.py)
+        with sessions() as session, session.begin():
+            query = access.visible_jobs(user, access.member_teams(session, user)).order_by(Job.id.desc())
+            if before is not None:
+                query = query.where(Job.id < before)
+            if state is not None:
+                query = query.where(Job.state == state.value)
+            rows = list(session.scalars(query.limit(limit + 1).offset(offset)))
+            shown = rows[:limit]
+            next_before = shown[-1].id if len(rows) > limit else None  # more follow: the last id shown
+            return next_before, views.jobs(session, shown, queue=views.queue_snapshot_for(session, shown, settings))
+
+    next_before, listed = await run_in_threadpool(read)
+    if next_before is not None:
         params = {"limit": limit, "before": next_before, **({"state": state.value} if state is not None else {})}
         response.headers["X-Next-Before"] = str(next_before)
         response.headers["Link"] = f'</api/v1/jobs?{urlencode(params)}>; rel="next"'
