@@ -268,9 +268,15 @@ class SimulatedAgent:
             elif not await wait_or_stop(node.rendezvous, node.stop):
                 return
             started = {"node_rank": rank}
-            await self.sim.api.call("started", "POST", f"{base}/started", self.token, json=started, expect=ENDED_OK)
+            answer = await self.sim.api.call(
+                "started", "POST", f"{base}/started", self.token, json=started, expect=ENDED_OK
+            )
+            if answer is not None:  # 409: the attempt ended meanwhile; the agent stops the node
+                return
             lines = [{"rank": rank, "stream": "stdout", "time": time.time(), "line": f"step {i}"} for i in range(5)]
-            await self.sim.api.call("logs", "POST", f"{base}/logs", self.token, json={"lines": lines})
+            # 409 too: the attempt may end between the two calls (a peer failed, a stop), as the
+            # agent's log shipper also meets it
+            await self.sim.api.call("logs", "POST", f"{base}/logs", self.token, json={"lines": lines}, expect=ENDED_OK)
             stopped = await self.train(node, random.uniform(0.5, 1.5) * self.sim.args.job_seconds)
             exit_body = {"node_rank": rank, "exit_code": 0, "cause": "stopped" if stopped else "run"}
             await self.sim.api.call("exit", "POST", f"{base}/exit", self.token, json=exit_body, expect=(204, 409))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from server.wakeups import Publisher, Waiter
 
@@ -43,4 +44,7 @@ def test_a_quiet_timeout_answers_the_first_read_and_a_wake_up_reads_again(clean_
         finally:
             await waiter.stop()
 
-    asyncio.run(story())
+    # A thread of its own: an earlier test in this process may have left an event loop set as
+    # running in the main thread, where asyncio.run refuses to start.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, story()).result(timeout=60)
