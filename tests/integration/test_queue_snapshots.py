@@ -48,6 +48,14 @@ def computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
+def one_running_one_waiting(client: TestClient, settings: Settings) -> int:
+    """One slot, a job on it and one queued behind it; the queued job's id."""
+    register_agent(client, "n1", cpu_slots=1)
+    submit(client, USER, "running")
+    schedule(settings)
+    return submit(client, USER, "waiting")
+
+
 def test_reads_share_a_kept_snapshot_until_a_newer_job_is_shown(
     client: TestClient, kept_settings: Settings, computed: list[int]
 ) -> None:
@@ -74,10 +82,7 @@ def test_reads_share_a_kept_snapshot_until_a_newer_job_is_shown(
 def test_a_snapshot_older_than_the_kept_time_is_replaced(
     client: TestClient, kept_settings: Settings, computed: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    register_agent(client, "n1", cpu_slots=1)
-    submit(client, USER, "running")
-    schedule(kept_settings)
-    waiting = submit(client, USER, "waiting")
+    waiting = one_running_one_waiting(client, kept_settings)
     assert job(client, waiting)["queue"]["position"] == 1
     assert client.post(f"/api/v1/jobs/{waiting}/hold", headers=USER).json()["held"] is True
     assert job(client, waiting)["queue"]["position"] == 1, "kept: the hold shows once the snapshot is replaced"
@@ -90,10 +95,7 @@ def test_a_snapshot_older_than_the_kept_time_is_replaced(
 def test_requests_that_come_while_one_computes_take_its_snapshot(
     kept_settings: Settings, client: TestClient, computed: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    register_agent(client, "n1", cpu_slots=1)
-    submit(client, USER, "running")
-    schedule(kept_settings)
-    submit(client, USER, "waiting")
+    one_running_one_waiting(client, kept_settings)
     inside, release = threading.Event(), threading.Event()
     compute = queue_status.compute_queue_snapshot
 
