@@ -9,9 +9,12 @@ else is simulated in this process with asyncio, no torch:
 
 - `--agents` agents of `--slots` CPU slots each speak the real agent protocol: register with the
   cluster's agent token (`--register-rate` a second), heartbeat every 2 s (the agents' default),
-  long-poll for work; for each node they are given: rendezvous (node rank 0), started, one log batch, then
-  one metric batch every `--metrics-interval` seconds from the node's ranks with the attempt's own
-  credential, and exit 0 after `--job-seconds` (±50 %). A node told to stop exits as stopped.
+  long-poll for work; for each node they are given: rendezvous (node rank 0 of a gang), started,
+  five log lines, then one metric batch every `--metrics-interval` seconds from the node's ranks
+  with the attempt's own credential, and exit 0 after `--job-seconds` (±50 %). A node told to
+  stop exits as stopped. As the agent does, each agent sends its nodes' reports many in one call
+  (what was reported while its last call was on its way) and its lines once a second, every
+  allocation's in one call.
 - The backlog: `--jobs` jobs of one slot, `--gangs` of them gangs of 2 nodes x `--slots` slots, in a
   team whose queue is held while they are submitted (8 submitters in parallel), then released at
   once; later a submitter tops the queue up so that it never runs dry.
@@ -67,6 +70,7 @@ from bench._common import (
     start_server,
 )
 from phalanx._retry import backoff_delay
+from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
 from stack.supervisor import free_port
 
 API = "/api/v1"
@@ -76,7 +80,7 @@ WORK_WAIT_S = 20.0  # the agents' long-poll, capped by the server's work_poll_se
 READS_PER_S = 10.0
 RECONNECTS = 2
 REFUSED_RETRY_S = 120.0  # how long a call refused with 429 is sent again, as the clients' retries run
-ENDED_OK = (204, 409)
+LOG_SHIP_INTERVAL_S = 1.0  # the agent's (worker_agent.agent.SHIP_INTERVAL_S)
 PROGRESS_S = 10.0
 SUBMITTERS = 8
 # The fill ends when the allocation count stopped rising for this long.
@@ -186,6 +190,12 @@ class SimulatedAgent:
         self.token = ""
         self.nodes: dict[int, Node] = {}
         self.version = ""
+        # Node reports and log lines wait here for the agent's next call, as the agent's
+        # NodeReporter and LogShipper keep them (worker_agent.agent)
+        self.reports: list[tuple[dict[str, Any], asyncio.Future[int]]] = []
+        self.reports_waiting = asyncio.Event()
+        self.log_lines: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        self.logs_waiting = asyncio.Event()
 
     async def register(self) -> None:
         answer = await self.sim.api.call(
@@ -215,6 +225,47 @@ class SimulatedAgent:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 self.sim.note_error("heartbeat", exc)
             await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
+
+    async def report(self, body: dict[str, Any]) -> int:
+        """The status of one node report, sent in the agent's next call of reports."""
+        answered: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.reports.append((body, answered))
+        self.reports_waiting.set()
+        return await answered
+
+    async def reporter(self) -> None:
+        """Whatever the nodes reported while the last call was on its way goes in the next one."""
+        while True:
+            await self.reports_waiting.wait()
+            taken, self.reports = self.reports[:MAX_REPORTS_PER_CALL], self.reports[MAX_REPORTS_PER_CALL:]
+            if not self.reports:
+                self.reports_waiting.clear()
+            body = {"reports": [report for report, _ in taken]}
+            try:
+                answer = await self.sim.api.call(
+                    "reports", "POST", f"/agents/{self.agent_id}/reports", self.token, json=body
+                )
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                for _, answered in taken:
+                    answered.set_exception(exc)
+                continue
+            for (_, answered), outcome in zip(taken, answer["results"], strict=True):
+                answered.set_result(outcome["status"])
+
+    async def shipper(self) -> None:
+        """Every allocation's pending lines in one call, once a second while there are any."""
+        while True:
+            await self.logs_waiting.wait()
+            await asyncio.sleep(LOG_SHIP_INTERVAL_S)
+            self.logs_waiting.clear()
+            pending, self.log_lines = self.log_lines, defaultdict(list)
+            batches = [{"allocation_id": a, "lines": lines} for a, lines in pending.items()]
+            for at in range(0, len(batches), MAX_REPORTS_PER_CALL):
+                body = {"batches": batches[at : at + MAX_REPORTS_PER_CALL]}
+                try:
+                    await self.sim.api.call("logs", "POST", f"/agents/{self.agent_id}/logs", self.token, json=body)
+                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                    self.sim.note_error("logs", exc)
 
     async def work(self) -> None:
         while True:
@@ -254,32 +305,26 @@ class SimulatedAgent:
     async def run_node(self, key: int, node: Node) -> None:
         a = node.assignment
         allocation, rank = a["allocation_id"], a["node_rank"]
-        base = f"/agents/{self.agent_id}/allocations/{allocation}"
         try:
             # 409: the attempt ended meanwhile (its agent was declared lost, a peer failed): the
             # agent stops the node, as the real one does
             if a["nnodes"] == 1:
                 pass  # a one-node job meets on its own host: no rendezvous (worker_agent.agent)
             elif rank == 0:
-                port = {"master_port": 29500}
-                await self.sim.api.call(
-                    "rendezvous", "POST", f"{base}/rendezvous", self.token, json=port, expect=ENDED_OK
-                )
+                await self.report({"kind": "rendezvous", "allocation_id": allocation, "master_port": 29500})
             elif not await wait_or_stop(node.rendezvous, node.stop):
                 return
-            started = {"node_rank": rank}
-            answer = await self.sim.api.call(
-                "started", "POST", f"{base}/started", self.token, json=started, expect=ENDED_OK
-            )
-            if answer is not None:  # 409: the attempt ended meanwhile; the agent stops the node
-                return
-            lines = [{"rank": rank, "stream": "stdout", "time": time.time(), "line": f"step {i}"} for i in range(5)]
-            # 409 too: the attempt may end between the two calls (a peer failed, a stop), as the
-            # agent's log shipper also meets it
-            await self.sim.api.call("logs", "POST", f"{base}/logs", self.token, json={"lines": lines}, expect=ENDED_OK)
+            if await self.report({"kind": "started", "allocation_id": allocation, "node_rank": rank}) != 204:
+                return  # 409: the attempt ended meanwhile; the agent stops the node
+            self.log_lines[allocation] += [
+                {"rank": rank, "stream": "stdout", "time": time.time(), "line": f"step {i}"} for i in range(5)
+            ]
+            self.logs_waiting.set()
             stopped = await self.train(node, random.uniform(0.5, 1.5) * self.sim.args.job_seconds)
-            exit_body = {"node_rank": rank, "exit_code": 0, "cause": "stopped" if stopped else "run"}
-            await self.sim.api.call("exit", "POST", f"{base}/exit", self.token, json=exit_body, expect=(204, 409))
+            cause = "stopped" if stopped else "run"
+            await self.report(
+                {"kind": "exit", "allocation_id": allocation, "node_rank": rank, "exit_code": 0, "cause": cause}
+            )
             if not stopped:
                 self.sim.completed_nodes += 1
         except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
@@ -365,6 +410,8 @@ class Simulation:
             await agent.register()
             self.spawn(agent.heartbeats())
             self.spawn(agent.work())
+            self.spawn(agent.reporter())
+            self.spawn(agent.shipper())
 
         starting = []
         for i, agent in enumerate(self.agents):

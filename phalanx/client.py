@@ -13,7 +13,7 @@ import io
 import os
 import tarfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,10 +24,12 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from phalanx._transport import ApiError, Conflict, Transport, is_transient, reliably
 from phalanx.schemas import (
+    AgentLogBatches,
     AgentRegistered,
     AgentRegistration,
     AgentView,
     AgentWork,
+    AllocationLogBatch,
     CheckpointView,
     JobDetail,
     JobSpec,
@@ -36,9 +38,13 @@ from phalanx.schemas import (
     LogLineIn,
     LogRecord,
     MetricPoint,
+    NodeReport,
+    NodeReports,
     ParamImportances,
     ProfileView,
     QueueView,
+    ReportOutcome,
+    ReportOutcomes,
     ScalingPoint,
     ScalingRequest,
     ScalingRunView,
@@ -54,6 +60,7 @@ from phalanx.schemas import (
     TokenView,
     UsageReport,
 )
+from phalanx.schemas.protocol import MAX_EXIT_REASON_CHARS
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_BUNDLE_BYTES = 64 * 1024 * 1024
@@ -562,6 +569,20 @@ class Client:
     def download_bundle(self, job_id: int) -> bytes:
         return self._request("GET", f"/jobs/{job_id}/bundle", timeout=300).content
 
+    def report_nodes(self, agent_id: int, reports: Sequence[NodeReport]) -> list[ReportOutcome]:
+        """Reports of the agent's nodes (started, exit, rendezvous) in one call, applied in order,
+        each on its own: one outcome per report, 204 or what its own call would have refused with."""
+        body = NodeReports(reports=list(reports)).model_dump(mode="json")
+        answer = self._request("POST", f"/agents/{agent_id}/reports", json=body)
+        return ReportOutcomes.model_validate_json(answer.content).results
+
+    def ship_log_batches(self, agent_id: int, batches: Sequence[AllocationLogBatch]) -> list[ReportOutcome]:
+        """Lines of several of the agent's allocations in one call, each batch stored (once, by its
+        `batch_id`) or refused on its own: one outcome per batch."""
+        body = AgentLogBatches(batches=list(batches)).model_dump(mode="json", exclude_none=True)
+        answer = self._request("POST", f"/agents/{agent_id}/logs", json=body)
+        return ReportOutcomes.model_validate_json(answer.content).results
+
     def set_rendezvous(self, agent_id: int, allocation_id: int, master_port: int) -> None:
         path = f"/agents/{agent_id}/allocations/{allocation_id}/rendezvous"
         self._request("POST", path, json={"master_port": master_port})
@@ -574,7 +595,12 @@ class Client:
     ) -> None:
         """`cause`: "run" (the node ran and ended), "environment" (its runtime environment could not
         be built: the job fails), "stopped" (it ended because Phalanx asked it to stop)."""
-        body = {"node_rank": node_rank, "exit_code": exit_code, "reason": reason[-4000:], "cause": cause}
+        body = {
+            "node_rank": node_rank,
+            "exit_code": exit_code,
+            "reason": reason[-MAX_EXIT_REASON_CHARS:],
+            "cause": cause,
+        }
         self._request("POST", f"/agents/{agent_id}/allocations/{allocation_id}/exit", json=body)
 
     def report_environment_lock(self, agent_id: int, allocation_id: int, lock: str) -> str:

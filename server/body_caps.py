@@ -18,13 +18,15 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from phalanx.schemas.protocol import MAX_LOCK_CHARS
+from phalanx.schemas.protocol import MAX_EXIT_REASON_CHARS, MAX_LOCK_CHARS, MAX_REPORTS_PER_CALL
 from server.settings import Settings
 
 # What any other route may receive: a JSON document of a spec, a registration, a token request.
 DEFAULT_CAP = 1 << 20
 # Multipart framing and the spec beside the bundle itself
 UPLOAD_OVERHEAD = 1 << 20
+# A call of node reports, each an exit with the longest reason, every character escaped as \uXXXX
+REPORTS_CAP = MAX_REPORTS_PER_CALL * (6 * MAX_EXIT_REASON_CHARS + 1024)
 
 
 class BodyTooLarge(HTTPException):
@@ -46,7 +48,8 @@ def caps_for(settings: Settings) -> Callable[[str, str], int]:
         (re.compile(r"^/api/v1/(jobs|studies|scaling)$"), upload),
         (re.compile(r"^/submit$"), upload),
         (re.compile(r"^/api/v1/allocations/[^/]+/metrics$"), settings.max_metric_batch_bytes),
-        (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/logs$"), settings.max_log_batch_bytes),
+        (re.compile(r"^/api/v1/agents/[^/]+(/allocations/[^/]+)?/logs$"), settings.max_log_batch_bytes),
+        (re.compile(r"^/api/v1/agents/[^/]+/reports$"), REPORTS_CAP),
         (re.compile(r"^/api/v1/allocations/[^/]+/profiles/[^/]+/ranks/[^/]+$"), settings.max_profile_trace_bytes),
         # a lock as JSON: its newlines escaped, so twice its longest text is ample
         (re.compile(r"^/api/v1/agents/[^/]+/allocations/[^/]+/environment$"), 2 * MAX_LOCK_CHARS),

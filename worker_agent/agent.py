@@ -1,9 +1,10 @@
 """The per-node daemon: register, heartbeat, long-poll for work, run each node of a gang.
 
 It talks to the server only through the SDK (`phalanx.client.Client`). Reports that must arrive
-(rendezvous, started, exit, logs) go through `reliably`, the SDK's one retry policy: retried with
-backoff while the server is unreachable or busy (5xx, 408, 425, 429); any other 4xx answer is
-final and logged.
+(rendezvous, started, exit, logs) travel many in one call (`NodeReporter`, `LogShipper`) and go
+through `reliably`, the SDK's one retry policy: retried with backoff while the server is
+unreachable or busy (5xx, 408, 425, 429); any other 4xx answer, of the call or of one report in
+it, is final and logged.
 """
 
 from __future__ import annotations
@@ -20,15 +21,27 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from phalanx.bundle_limits import BundleLimits, extract_bundle
-from phalanx.client import ApiError, Client, reliably
-from phalanx.schemas import AgentRegistration, Assignment, LogLineIn
+from phalanx.client import ApiError, Client, Conflict, reliably
+from phalanx.schemas import (
+    AgentRegistration,
+    AllocationLogBatch,
+    Assignment,
+    ExitReport,
+    LogLineIn,
+    NodeReport,
+    RendezvousReport,
+    StartedReport,
+)
+from phalanx.schemas.protocol import MAX_EXIT_REASON_CHARS, MAX_REPORTS_PER_CALL
 from worker_agent.environments import Environment, EnvironmentFailed, Environments, EnvironmentsConfig
 from worker_agent.forkserver import ForkServer
 from worker_agent.launcher import FailureReport, NodeProcess, free_port, rank_env
@@ -118,47 +131,106 @@ class LogShipper(threading.Thread):
 
     def flush(self, allocation_id: int) -> None:
         with self._lock:
-            lines = self._take(allocation_id)[allocation_id]
-        self._ship(allocation_id, lines)
+            taken = self._take(allocation_id)
+        self._ship(taken)
 
-    def _ship(self, allocation_id: int, lines: list[LogLineIn]) -> None:
-        if not lines:
-            return
+    def _ship(self, pending: dict[int, list[LogLineIn]]) -> None:
+        """Every allocation's lines in as few calls as the caps allow, each allocation's in order."""
         with self._ship_lock:  # keep each allocation's lines in order
-            for chunk in _batches(lines):
-                batch_id = f"{self._stream}-{self._numbered[allocation_id]}"
-                self._numbered[allocation_id] += len(chunk)
-
-                def ship(chunk: list[LogLineIn] = chunk, batch_id: str = batch_id) -> None:
-                    self._agent.client.ship_logs(self._agent.agent_id, allocation_id, chunk, batch_id)
-
+            for call in _calls(pending):
+                batches = []
+                for allocation_id, lines in call:
+                    batch_id = f"{self._stream}-{self._numbered[allocation_id]}"
+                    self._numbered[allocation_id] += len(lines)
+                    batches.append(AllocationLogBatch(allocation_id=allocation_id, lines=lines, batch_id=batch_id))
                 try:
-                    reliably(ship)
+                    outcomes = reliably(partial(self._agent.client.ship_log_batches, self._agent.agent_id, batches))
                 except ApiError as exc:
-                    log.warning("dropped %d log lines of allocation %d: %s", len(chunk), allocation_id, exc)
-                    return
+                    log.warning("dropped %d log lines: %s", sum(len(b.lines) for b in batches), exc)
+                    continue
+                for batch, outcome in zip(batches, outcomes, strict=True):
+                    if outcome.status >= 300:  # the allocation ended or moved: nobody reads them now
+                        log.info(
+                            "dropped %d log lines of allocation %d: %s",
+                            len(batch.lines),
+                            batch.allocation_id,
+                            outcome.error,
+                        )
 
     def run(self) -> None:
         while not self._agent.stopping.is_set():
             with self._lock:
                 self._lock.wait(timeout=SHIP_INTERVAL_S)
-                batches = self._take()
-            for allocation_id, lines in batches.items():
-                self._ship(allocation_id, lines)
+                pending = self._take()
+            self._ship(pending)
 
 
-def _batches(lines: list[LogLineIn]) -> Iterator[list[LogLineIn]]:
-    """The lines in order, in requests of at most 2,000 lines and SHIP_BATCH_BYTES."""
-    chunk: list[LogLineIn] = []
-    size = 0
-    for line in lines:
-        if chunk and (len(chunk) >= 2000 or size + len(line.line) > SHIP_BATCH_BYTES):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(line)
-        size += len(line.line)
-    if chunk:
-        yield chunk
+def _calls(pending: dict[int, list[LogLineIn]]) -> Iterator[list[tuple[int, list[LogLineIn]]]]:
+    """The lines in calls of at most 2,000 lines, SHIP_BATCH_BYTES and MAX_REPORTS_PER_CALL
+    batches, each call's lines grouped by allocation, each allocation's in order."""
+    call: list[tuple[int, list[LogLineIn]]] = []
+    count = size = 0
+    for allocation_id, lines in pending.items():
+        chunk: list[LogLineIn] = []
+        for line in lines:
+            if count and (count >= 2000 or size + len(line.line) > SHIP_BATCH_BYTES):
+                if chunk:
+                    call.append((allocation_id, chunk))
+                    chunk = []
+                yield call
+                call, count, size = [], 0, 0
+            chunk.append(line)
+            count += 1
+            size += len(line.line)
+        if chunk:
+            call.append((allocation_id, chunk))
+            if len(call) == MAX_REPORTS_PER_CALL:
+                yield call
+                call, count, size = [], 0, 0
+    if call:
+        yield call
+
+
+class NodeReporter(threading.Thread):
+    """Sends what the node runners report (started, exit, rendezvous), many in one call: whatever
+    they report while a call is on its way goes in the next one. A lone report waits for nothing;
+    the eight nodes an agent starts together cost the server one call, not eight."""
+
+    def __init__(self, agent: AgentDaemon) -> None:
+        super().__init__(name="node-reporter", daemon=True)
+        self._agent = agent
+        self._changed = threading.Condition()
+        self._pending: list[tuple[NodeReport, Future[None]]] = []
+
+    def report(self, report: NodeReport) -> None:
+        """Send `report` and wait until it is applied; the server's refusal of it (404, 409) is
+        raised as `ApiError`, as its own call's would be, and so is a call refused as a whole."""
+        done: Future[None] = Future()
+        with self._changed:
+            self._pending.append((report, done))
+            self._changed.notify()
+        done.result()
+
+    def run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending:
+                    self._changed.wait()
+                taken = self._pending[:MAX_REPORTS_PER_CALL]
+                del self._pending[:MAX_REPORTS_PER_CALL]
+            reports = [report for report, _ in taken]
+            try:
+                outcomes = reliably(partial(self._agent.client.report_nodes, self._agent.agent_id, reports))
+            except Exception as exc:  # the runners decide what it means for their node
+                for _, done in taken:
+                    done.set_exception(exc)
+                continue
+            for (_, done), outcome in zip(taken, outcomes, strict=True):
+                if outcome.status < 300:
+                    done.set_result(None)
+                else:
+                    kind = Conflict if outcome.status == 409 else ApiError
+                    done.set_exception(kind(outcome.status, outcome.error or "refused"))
 
 
 class NodeRunner(threading.Thread):
@@ -227,9 +299,14 @@ class NodeRunner(threading.Thread):
                 environment.release()
             self.agent.shipper.flush(a.allocation_id)
             try:
-                reliably(
-                    lambda: self.agent.client.node_exited(
-                        self.agent.agent_id, a.allocation_id, a.node_rank, exit_code, reason, cause
+                self.agent.reporter.report(
+                    ExitReport(
+                        kind="exit",
+                        allocation_id=a.allocation_id,
+                        node_rank=a.node_rank,
+                        exit_code=exit_code,
+                        reason=reason[-MAX_EXIT_REASON_CHARS:],
+                        cause=cause,
                     )
                 )
                 log.info("allocation %d node %d: reported exit %d", a.allocation_id, a.node_rank, exit_code)
@@ -299,7 +376,9 @@ class NodeRunner(threading.Thread):
             return a.model_copy(update={"master_port": a.master_port or free_port(self.agent.config.address)})
         if a.node_rank == 0 and a.master_port is None:
             port = free_port(self.agent.config.address)
-            reliably(lambda: self.agent.client.set_rendezvous(self.agent.agent_id, a.allocation_id, port))
+            self.agent.reporter.report(
+                RendezvousReport(kind="rendezvous", allocation_id=a.allocation_id, master_port=port)
+            )
             with self._changed:
                 self._assignment = a.model_copy(update={"master_port": port})
         with self._changed:
@@ -340,7 +419,9 @@ class NodeRunner(threading.Thread):
             "forked" if forked else "cold",
         )
         try:
-            reliably(lambda: self.agent.client.node_started(self.agent.agent_id, a.allocation_id, a.node_rank))
+            self.agent.reporter.report(
+                StartedReport(kind="started", allocation_id=a.allocation_id, node_rank=a.node_rank)
+            )
             log.info("allocation %d node %d: reported started", a.allocation_id, a.node_rank)
         except ApiError as exc:  # superseded while launching: stop what we started
             log.warning("start report refused (%s); stopping", exc)
@@ -359,6 +440,7 @@ class AgentDaemon:
         self.agent_id = 0
         self.stopping = threading.Event()
         self.shipper = LogShipper(self)
+        self.reporter = NodeReporter(self)
         self.job_users = JobUsers.parse(config.run_as)
         # Every torchrun is forked from one process that imported torch once (forkserver.py); it
         # switches to the node's user after the fork, so `--run-as` starts warm too.
@@ -447,8 +529,14 @@ class AgentDaemon:
 
     def _report_absent(self, a: Assignment) -> None:
         try:
-            reliably(
-                lambda: self.client.node_exited(self.agent_id, a.allocation_id, a.node_rank, -9, "not running here")
+            self.reporter.report(
+                ExitReport(
+                    kind="exit",
+                    allocation_id=a.allocation_id,
+                    node_rank=a.node_rank,
+                    exit_code=-9,
+                    reason="not running here",
+                )
             )
         except ApiError as exc:
             log.warning("could not report absent node: %s", exc)
@@ -460,6 +548,7 @@ class AgentDaemon:
         self.register()
         self.forkserver.start()
         self.shipper.start()
+        self.reporter.start()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         version = ""
         while not self.stopping.is_set():

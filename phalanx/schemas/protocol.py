@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from phalanx.schemas._base import NAME_PATTERN, NUL_FREE, MetricValue, PrintedText, StrictModel, WireModel
 from phalanx.schemas.enums import AgentState, Precision, SlotType
@@ -26,6 +26,7 @@ MAX_RECORDS_PER_BATCH = 100_000
 MAX_VALUES_PER_RECORD = 1_000
 MAX_LINES_PER_BATCH = 100_000
 MAX_LOG_LINE_CHARS = 65_536
+MAX_EXIT_REASON_CHARS = 4000
 
 
 class AgentRegistration(StrictModel):
@@ -105,11 +106,54 @@ class NodeStarted(StrictModel):
 class NodeExit(StrictModel):
     node_rank: Count32
     exit_code: Int32
-    reason: Annotated[PrintedText, Field(max_length=4000)] = ""  # ends with the rank's last stderr lines
+    # ends with the rank's last stderr lines
+    reason: Annotated[PrintedText, Field(max_length=MAX_EXIT_REASON_CHARS)] = ""
     # "environment": the node never started because its runtime environment could not be resolved
     # or built; restarting would fail the same way, so the job fails without using a restart.
     # "stopped": it ended because Phalanx asked it to stop (its code says nothing about the job).
     cause: Literal["run", "environment", "stopped"] = "run"
+
+
+# An agent's reports of the nodes it starts or ends together travel in one call: at a cluster's
+# fill each agent starts its nodes within a second, and one call per node was most of the
+# server's work (`bench/bench_scale.py`).
+MAX_REPORTS_PER_CALL = 64
+
+
+class StartedReport(NodeStarted):
+    kind: Literal["started"]
+    allocation_id: Count32
+
+
+class ExitReport(NodeExit):
+    kind: Literal["exit"]
+    allocation_id: Count32
+
+
+class RendezvousReport(Rendezvous):
+    kind: Literal["rendezvous"]
+    allocation_id: Count32
+
+
+NodeReport = Annotated[StartedReport | ExitReport | RendezvousReport, Field(discriminator="kind")]
+
+
+class NodeReports(StrictModel):
+    """Applied in the order given, each on its own: one refused (404, 409) changes nothing of the
+    others, and its outcome says why."""
+
+    reports: Annotated[list[NodeReport], Field(min_length=1, max_length=MAX_REPORTS_PER_CALL)]
+
+
+class ReportOutcome(WireModel):
+    """One report's answer, as its own call would have given it: 204, or the refusal's status and error."""
+
+    status: int
+    error: str | None = None
+
+
+class ReportOutcomes(WireModel):
+    results: list[ReportOutcome]  # one per report, in the order sent
 
 
 # A lock lists every wheel's hash of every package: a large environment's runs to a few hundred KiB.
@@ -150,6 +194,24 @@ BatchId = Annotated[
 class LogBatch(StrictModel):
     lines: Annotated[list[LogLineIn], Field(max_length=MAX_LINES_PER_BATCH)]
     batch_id: BatchId | None = None  # the agent sends "<its stream>-<first line's number>"
+
+
+class AllocationLogBatch(LogBatch):
+    allocation_id: Count32
+
+
+class AgentLogBatches(StrictModel):
+    """Every allocation's pending lines on one agent, in one call; each batch is stored or refused
+    on its own (`ReportOutcomes`). The lines of all batches together are capped as one batch's are."""
+
+    batches: Annotated[list[AllocationLogBatch], Field(min_length=1, max_length=MAX_REPORTS_PER_CALL)]
+
+    @model_validator(mode="after")
+    def _lines_capped(self) -> AgentLogBatches:
+        lines = sum(len(b.lines) for b in self.batches)
+        if lines > MAX_LINES_PER_BATCH:
+            raise ValueError(f"{lines:,} lines in one call; send at most {MAX_LINES_PER_BATCH:,}")
+        return self
 
 
 class MetricRecord(StrictModel):

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import bindparam, exists, func, insert, select
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, func, select
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, agents, attempts, auth, checkpoints, commands, views
+from server import node_reports as node_reports_of
 from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, SessionsDep, UserDep
 from server.api.uploads import invalid_batch
-from server.errors import Conflict, Forbidden, NotFound
-from server.ingest import batch_identity, first_delivery, from_unix
-from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, LogBatch, LogLine, utcnow
+from server.errors import Forbidden, NotFound
+from server.ingest import batch_identity
+from server.models import Agent, Allocation, AllocationNode, Checkpoint, Job, utcnow
 from server.settings import Settings
 from server.task_names import REAP_TASK
-from server.wakeups import agent_channel, note_job_data
+from server.wakeups import agent_channel
 
 router = APIRouter(prefix="/agents", tags=["agents"])
 # A hung peer is seen at the process-group timeout; torch's default (30 min for NCCL) is far too long.
@@ -29,6 +31,7 @@ PG_TIMEOUT = 120.0
 # The reaper pass a hung-up long-poll schedules runs this long after the heartbeat timeout expires
 # (database and server clocks read in the same query, so only scheduling jitter needs covering).
 REAP_MARGIN_S = 0.05
+T = TypeVar("T")
 
 
 @router.get("", response_model=list[schemas.AgentView])
@@ -232,7 +235,29 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
 # The node reports below come by the thousand when a cluster fills or drains. Each is an async
 # route that runs its transaction in one worker thread: a sync route with a session dependency
 # costs three thread hand-offs (open, call, close), and at a fill the event loop spent more on
-# those than the routes spent on their queries (`bench/bench_scale.py`).
+# those than the routes spent on their queries (`bench/bench_scale.py`). The agent sends them
+# many in one call (`reports`, `logs`); the one-node routes are the same reports one at a time.
+
+
+async def _in_transaction(sessions: sessionmaker[Session], work: Callable[[Session], T]) -> T:
+    """`work` in one transaction, run in one worker thread."""
+
+    def run() -> T:
+        with sessions() as session, session.begin():
+            return work(session)
+
+    return await run_in_threadpool(run)
+
+
+@router.post("/{agent_id}/reports", response_model=schemas.ReportOutcomes)
+async def node_reports(
+    agent_id: RowId, body: schemas.NodeReports, sessions: SessionsDep, principal: AgentDep
+) -> schemas.ReportOutcomes:
+    """Reports of the agent's nodes (started, exit, rendezvous), applied in order, each on its own:
+    one outcome per report, 204 or the status and error its own call would have answered."""
+    access.agent_acts_as(principal, agent_id)
+    outcomes = await _in_transaction(sessions, lambda s: node_reports_of.apply_reports(s, agent_id, body.reports))
+    return schemas.ReportOutcomes(results=outcomes)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
@@ -241,12 +266,8 @@ async def rendezvous(
 ) -> Response:
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
     access.agent_acts_as(principal, agent_id)
-
-    def report() -> None:
-        with sessions() as session, session.begin():
-            attempts.set_rendezvous(session, agent_id, allocation_id, body.master_port)
-
-    await run_in_threadpool(report)
+    report = schemas.RendezvousReport(kind="rendezvous", allocation_id=allocation_id, master_port=body.master_port)
+    await _in_transaction(sessions, lambda s: node_reports_of.apply_report(s, agent_id, report))
     return Response(status_code=204)
 
 
@@ -255,12 +276,8 @@ async def node_started(
     agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, sessions: SessionsDep, principal: AgentDep
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
-
-    def report() -> None:
-        with sessions() as session, session.begin():
-            attempts.report_node_started(session, agent_id, allocation_id, body.node_rank)
-
-    await run_in_threadpool(report)
+    report = schemas.StartedReport(kind="started", allocation_id=allocation_id, node_rank=body.node_rank)
+    await _in_transaction(sessions, lambda s: node_reports_of.apply_report(s, agent_id, report))
     return Response(status_code=204)
 
 
@@ -269,13 +286,8 @@ async def node_exit(
     agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, sessions: SessionsDep, principal: AgentDep
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
-
-    def report() -> None:
-        with sessions() as session, session.begin():
-            allocation, node = attempts.find_node(session, agent_id, allocation_id, body.node_rank)
-            attempts.record_node_exit(session, allocation, node, body.exit_code, body.reason, body.cause)
-
-    await run_in_threadpool(report)
+    report = schemas.ExitReport(kind="exit", allocation_id=allocation_id, **body.model_dump())
+    await _in_transaction(sessions, lambda s: node_reports_of.apply_report(s, agent_id, report))
     return Response(status_code=204)
 
 
@@ -292,9 +304,20 @@ def environment_lock(
     return schemas.EnvironmentLocked(lock=lock)
 
 
+@router.post("/{agent_id}/logs", response_model=schemas.ReportOutcomes)
+async def ship_agent_logs(
+    agent_id: RowId, body: schemas.AgentLogBatches, sessions: SessionsDep, principal: AgentDep
+) -> schemas.ReportOutcomes:
+    """Batches of lines of several allocations of the agent, each stored (once, by its `batch_id`)
+    or refused on its own: one outcome per batch, in the order sent."""
+    access.agent_acts_as(principal, agent_id)
+    outcomes = await _in_transaction(sessions, lambda s: node_reports_of.store_log_batches(s, agent_id, body.batches))
+    return schemas.ReportOutcomes(results=outcomes)
+
+
 @router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)
 async def ship_logs(
-    agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, principal: AgentDep
+    agent_id: RowId, allocation_id: RowId, request: Request, sessions: SessionsDep, principal: AgentDep
 ) -> Response:
     """Store a batch of output lines; a batch sent again (same `batch_id`, or the same bytes) is
     answered 204 and stored once."""
@@ -304,39 +327,8 @@ async def ship_logs(
         batch = schemas.LogBatch.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_batch("log batch", exc) from exc
-
-    def store() -> None:
-        with services.sessions() as session, session.begin():
-            hosted = exists().where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == agent_id)
-            row = session.execute(
-                select(Allocation.job_id, Allocation.active, hosted).where(Allocation.id == allocation_id)
-            ).one_or_none()
-            if row is None:
-                raise NotFound(f"allocation {allocation_id} does not exist")
-            job_id, active, on_this_agent = row
-            if not on_this_agent:
-                raise Conflict(f"allocation {allocation_id} has no node on agent {agent_id}")
-            if not active:
-                raise Conflict(f"allocation {allocation_id} has ended; its logs are closed")
-            if not first_delivery(session, LogBatch, allocation_id, batch_identity(batch.batch_id, raw)):
-                return  # sent again after its answer was lost: stored already
-            # Core executemany: logs arrive while training runs, and the ORM's unit of work
-            # costs several times more CPU per row.
-            session.execute(
-                insert(LogLine.metadata.tables["log_lines"]),
-                [
-                    {
-                        "job_id": job_id,
-                        "allocation_id": allocation_id,
-                        "rank": line.rank,
-                        "stream": line.stream,
-                        "time": from_unix(line.time),
-                        "line": line.line,
-                    }
-                    for line in batch.lines
-                ],
-            )
-            note_job_data(session, job_id)  # live log views
-
-    await run_in_threadpool(store)
+    identity = batch_identity(batch.batch_id, raw)
+    await _in_transaction(
+        sessions, lambda s: node_reports_of.store_logs(s, agent_id, allocation_id, identity, batch.lines)
+    )
     return Response(status_code=204)

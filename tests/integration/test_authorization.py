@@ -211,6 +211,24 @@ ROWS = [
     Row("GET", "/api/v1/agents/{agent_id}/work", AGENT_SELF, at("/api/v1/agents/{w.agent}/work")),
     Row(
         "POST",
+        "/api/v1/agents/{agent_id}/reports",
+        AGENT_SELF,
+        at("/api/v1/agents/{w.agent}/reports"),
+        json=lambda w: {"reports": [{"kind": "started", "allocation_id": w.ended_allocation, "node_rank": 0}]},
+    ),
+    Row(
+        "POST",
+        "/api/v1/agents/{agent_id}/logs",
+        AGENT_SELF,
+        at("/api/v1/agents/{w.agent}/logs"),
+        json=lambda w: {
+            "batches": [
+                {"allocation_id": w.allocation, "lines": [{"rank": 0, "stream": "stdout", "time": 1.0, "line": "hi"}]}
+            ]
+        },
+    ),
+    Row(
+        "POST",
         "/api/v1/agents/{agent_id}/allocations/{allocation_id}/rendezvous",
         AGENT_SELF,
         at("/api/v1/agents/{w.agent}/allocations/{w.ended_allocation}/rendezvous"),

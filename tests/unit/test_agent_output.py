@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 
-from phalanx.schemas import LogLineIn
+from phalanx.schemas import AllocationLogBatch, LogLineIn, ReportOutcome
 from worker_agent.agent import MAX_PENDING_BYTES, LogShipper
 from worker_agent.launcher import MAX_LINE_BYTES, NodeProcess
 
@@ -63,8 +63,9 @@ class _RecordingClient:
     def __init__(self) -> None:
         self.shipped = 0
 
-    def ship_logs(self, agent_id: int, allocation_id: int, lines: list[LogLineIn], batch_id: str) -> None:
-        self.shipped += sum(len(line.line) for line in lines)
+    def ship_log_batches(self, agent_id: int, batches: list[AllocationLogBatch]) -> list[ReportOutcome]:
+        self.shipped += sum(len(line.line) for batch in batches for line in batch.lines)
+        return [ReportOutcome(status=204) for _ in batches]
 
 
 def test_the_shipper_holds_the_job_up_once_8_mib_wait_and_drops_nothing() -> None:

@@ -1,0 +1,128 @@
+"""What an agent reports of its nodes: their rendezvous, start and exit, and their output lines.
+
+Each report has one definition here, used by its own route and by the routes that take many in
+one call (`POST /agents/{id}/reports`, `POST /agents/{id}/logs`). An agent starts or ends its
+nodes together (at a cluster's fill, eight within a second), and its log shipper has lines of
+all of them each second: one call per node and per allocation was most of the server's work at
+1,000 agents (`bench/bench_scale.py`), most of it the framework's cost per request.
+
+Many in one call: one transaction, each report in a savepoint of its own, so a refused one (404,
+409) leaves the others applied and its outcome says why, as its own call would have. The jobs
+the reports touch are locked first, in id order: two calls holding several job locks each can
+then never wait for each other in a cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from sqlalchemy import exists, insert, select
+from sqlalchemy.orm import Session
+
+from phalanx.schemas import (
+    AllocationLogBatch,
+    ExitReport,
+    LogLineIn,
+    NodeReport,
+    RendezvousReport,
+    ReportOutcome,
+    StartedReport,
+)
+from server import attempts
+from server.errors import Conflict, NotFound, PhalanxError
+from server.ingest import batch_identity, first_delivery, from_unix
+from server.models import Allocation, AllocationNode, Job, LogBatch, LogLine
+from server.wakeups import note_job_data
+
+APPLIED = ReportOutcome(status=204)
+T = TypeVar("T")
+
+
+def apply_report(session: Session, agent_id: int, report: NodeReport) -> None:
+    """One node report, in the caller's transaction; NotFound or Conflict when it is refused."""
+    if isinstance(report, StartedReport):
+        attempts.report_node_started(session, agent_id, report.allocation_id, report.node_rank)
+    elif isinstance(report, ExitReport):
+        allocation, node = attempts.find_node(session, agent_id, report.allocation_id, report.node_rank)
+        attempts.record_node_exit(session, allocation, node, report.exit_code, report.reason, report.cause)
+    elif isinstance(report, RendezvousReport):
+        attempts.set_rendezvous(session, agent_id, report.allocation_id, report.master_port)
+
+
+def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]) -> list[ReportOutcome]:
+    """Each report in order, in a savepoint of the caller's transaction; one outcome per report."""
+    _lock_jobs_of(session, {r.allocation_id for r in reports})
+    return _each(session, reports, lambda report: apply_report(session, agent_id, report))
+
+
+def store_logs(session: Session, agent_id: int, allocation_id: int, identity: str, lines: Sequence[LogLineIn]) -> None:
+    """One allocation's batch of lines, stored once under `identity` (a resent batch changes
+    nothing); NotFound or Conflict when the allocation is unknown, ended or not on this agent."""
+    hosted = exists().where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == agent_id)
+    row = session.execute(
+        select(Allocation.job_id, Allocation.active, hosted).where(Allocation.id == allocation_id)
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"allocation {allocation_id} does not exist")
+    job_id, active, on_this_agent = row
+    if not on_this_agent:
+        raise Conflict(f"allocation {allocation_id} has no node on agent {agent_id}")
+    if not active:
+        raise Conflict(f"allocation {allocation_id} has ended; its logs are closed")
+    if not first_delivery(session, LogBatch, allocation_id, identity):
+        return  # sent again after its answer was lost: stored already
+    # Core executemany: logs arrive while training runs, and the ORM's unit of work costs several
+    # times more CPU per row.
+    session.execute(
+        insert(LogLine.metadata.tables["log_lines"]),
+        [
+            {
+                "job_id": job_id,
+                "allocation_id": allocation_id,
+                "rank": line.rank,
+                "stream": line.stream,
+                "time": from_unix(line.time),
+                "line": line.line,
+            }
+            for line in lines
+        ],
+    )
+    note_job_data(session, job_id)  # live log views
+
+
+def store_log_batches(session: Session, agent_id: int, batches: Sequence[AllocationLogBatch]) -> list[ReportOutcome]:
+    """Each allocation's batch in order, in a savepoint of the caller's transaction; one outcome each.
+    A batch without a `batch_id` is known by the digest of its own JSON."""
+
+    def store(batch: AllocationLogBatch) -> None:
+        identity = batch_identity(batch.batch_id, batch.model_dump_json().encode())
+        store_logs(session, agent_id, batch.allocation_id, identity, batch.lines)
+
+    return _each(session, batches, store)
+
+
+def _lock_jobs_of(session: Session, allocation_ids: set[int]) -> None:
+    jobs = select(Allocation.job_id).where(Allocation.id.in_(allocation_ids)).scalar_subquery()
+    session.execute(select(Job.id).where(Job.id.in_(jobs)).order_by(Job.id).with_for_update()).all()
+
+
+def _each(session: Session, items: Sequence[T], apply: Callable[[T], None]) -> list[ReportOutcome]:
+    outcomes = []
+    for item in items:
+        savepoint = session.begin_nested()
+        outcome = _outcome(apply, item)
+        if outcome.status == APPLIED.status:
+            savepoint.commit()
+        else:
+            savepoint.rollback()
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _outcome(apply: Callable[[T], None], item: T) -> ReportOutcome:
+    try:
+        apply(item)
+    except PhalanxError as exc:
+        return ReportOutcome(status=exc.status_code, error=exc.message)
+    return APPLIED

@@ -1,0 +1,174 @@
+"""An agent's node reports and log batches, many in one call (`POST /agents/{id}/reports` and
+`POST /agents/{id}/logs`): each is applied or refused on its own, as its own call would have been,
+in the order sent; calls that touch the same jobs in opposite orders both go through."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from phalanx.schemas import JobState, NodeState
+from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
+from server import attempts
+from server.db import session_scope
+from server.models import AllocationNode, Job, LogLine
+from server.settings import Settings
+from tests.agent_tokens import as_agent
+from tests.integration.test_api import register, schedule, spec, submit
+
+ONE_NODE = spec(resources={"nodes": 1})
+
+
+def placed(client: TestClient, settings: Settings, count: int) -> list[tuple[int, int, int]]:
+    """`count` one-node jobs, placed: (job, allocation, agent) each."""
+    job_ids = [submit(client, ONE_NODE).json()["id"] for _ in range(count)]
+    schedule(settings)
+    found = []
+    with session_scope(settings.database_url) as session:
+        for job_id in job_ids:
+            allocation = attempts.active_allocation(session, job_id)
+            assert allocation is not None, f"job {job_id} was not placed"
+            found.append((job_id, allocation.id, allocation.nodes[0].agent_id))
+    return found
+
+
+def report(client: TestClient, agent_id: int, *reports: dict[str, Any]) -> list[dict[str, Any]]:
+    answer = client.post(
+        f"/api/v1/agents/{agent_id}/reports", json={"reports": list(reports)}, headers=as_agent(agent_id)
+    )
+    assert answer.status_code == 200, answer.text
+    results: list[dict[str, Any]] = answer.json()["results"]
+    return results
+
+
+def started(allocation_id: int) -> dict[str, Any]:
+    return {"kind": "started", "allocation_id": allocation_id, "node_rank": 0}
+
+
+def exited(allocation_id: int, code: int = 0) -> dict[str, Any]:
+    return {"kind": "exit", "allocation_id": allocation_id, "node_rank": 0, "exit_code": code}
+
+
+def job_states(settings: Settings, job_ids: list[int]) -> list[str]:
+    with session_scope(settings.database_url) as session:
+        states = dict(session.execute(select(Job.id, Job.state).where(Job.id.in_(job_ids))).all())
+    return [states[j] for j in job_ids]
+
+
+def test_the_nodes_an_agent_starts_together_are_reported_in_one_call(client: TestClient, settings: Settings) -> None:
+    (job_a, alloc_a, agent), (job_b, alloc_b, agent_b) = placed(client, settings, 2)
+    assert agent == agent_b  # the fixture's one agent, two slots
+    assert report(client, agent, started(alloc_a), started(alloc_b)) == [{"status": 204, "error": None}] * 2
+    assert job_states(settings, [job_a, job_b]) == [JobState.RUNNING.value] * 2
+    # sent again (its answer was lost): applied once, answered the same
+    assert report(client, agent, started(alloc_a), started(alloc_b)) == [{"status": 204, "error": None}] * 2
+
+
+def test_a_refused_report_changes_nothing_and_the_others_apply(client: TestClient, settings: Settings) -> None:
+    (job_a, alloc_a, agent), (job_b, alloc_b, _) = placed(client, settings, 2)
+    other = register(client, "n1", slots=1)  # after: both jobs above are on the fixture's agent
+    outcomes = report(client, agent, started(alloc_a), started(999_999), started(alloc_b))
+    assert [o["status"] for o in outcomes] == [204, 404, 204]
+    assert "999999 does not exist" in outcomes[1]["error"]
+    # another agent's node: 409 for that report alone, its job untouched
+    (job_c, alloc_c, agent_c), *_ = placed(client, settings, 1)
+    assert agent_c == other
+    outcomes = report(client, agent, started(alloc_c), exited(alloc_a))
+    assert [o["status"] for o in outcomes] == [409, 204]
+    assert f"belongs to agent {other}" in outcomes[0]["error"]
+    assert job_states(settings, [job_a, job_b, job_c]) == ["COMPLETED", "RUNNING", "SCHEDULED"]
+
+
+def test_reports_apply_in_the_order_sent(client: TestClient, settings: Settings) -> None:
+    """A node that started and ended between two calls is reported started, then exited."""
+    ((job_id, allocation_id, agent),) = placed(client, settings, 1)
+    assert [o["status"] for o in report(client, agent, started(allocation_id), exited(allocation_id, 3))] == [204, 204]
+    with session_scope(settings.database_url) as session:
+        node = session.scalars(select(AllocationNode).where(AllocationNode.allocation_id == allocation_id)).one()
+        assert (node.state, node.exit_code) == (NodeState.EXITED.value, 3)
+        assert node.started_at is not None  # started first: the exit ended a node that ran
+    assert job_states(settings, [job_id]) != [JobState.SCHEDULED.value]
+
+
+def test_calls_that_lock_the_same_jobs_in_opposite_orders_both_apply(client: TestClient, settings: Settings) -> None:
+    """Each call locks its jobs first, in id order: two calls holding several job locks never
+    wait for each other in a cycle (PostgreSQL would abort one as a deadlock: a 500)."""
+    jobs = placed(client, settings, 2)
+    agent = jobs[0][2]
+    (_, first, _), (_, second, _) = jobs
+    answers: list[int] = []
+
+    def send(reports: list[dict[str, Any]]) -> None:
+        for _ in range(20):
+            body = {"reports": reports}
+            answer = client.post(f"/api/v1/agents/{agent}/reports", json=body, headers=as_agent(agent))
+            answers.append(answer.status_code)
+
+    callers = [
+        threading.Thread(target=send, args=([started(first), started(second)],)),
+        threading.Thread(target=send, args=([started(second), started(first)],)),
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert answers == [200] * 40
+
+
+def test_bounds_are_checked_before_anything_is_applied(client: TestClient, settings: Settings) -> None:
+    ((job_id, allocation_id, agent),) = placed(client, settings, 1)
+    too_many = [started(allocation_id)] * (MAX_REPORTS_PER_CALL + 1)
+    url = f"/api/v1/agents/{agent}/reports"
+    answer = client.post(url, json={"reports": too_many}, headers=as_agent(agent))
+    assert answer.status_code == 422
+    unknown = {"kind": "vanished", "allocation_id": allocation_id, "node_rank": 0}
+    answer = client.post(url, json={"reports": [started(allocation_id), unknown]}, headers=as_agent(agent))
+    assert answer.status_code == 422
+    assert client.post(url, json={"reports": []}, headers=as_agent(agent)).status_code == 422
+    assert job_states(settings, [job_id]) == [JobState.SCHEDULED.value]  # nothing applied
+
+
+def lines(text: str, count: int = 2) -> list[dict[str, Any]]:
+    return [{"rank": 0, "stream": "stdout", "time": 1.0, "line": f"{text} {i}"} for i in range(count)]
+
+
+def stored_lines(settings: Settings) -> dict[int, int]:
+    with session_scope(settings.database_url) as session:
+        return dict(session.execute(select(LogLine.allocation_id, func.count()).group_by(LogLine.allocation_id)).all())
+
+
+def test_an_agents_log_batches_of_several_allocations_travel_in_one_call(
+    client: TestClient, settings: Settings
+) -> None:
+    (_, alloc_a, agent), (_, alloc_b, _) = placed(client, settings, 2)
+    report(client, agent, exited(alloc_b))  # ended: its logs are closed
+    body = {
+        "batches": [
+            {"allocation_id": alloc_a, "batch_id": "s-0", "lines": lines("a")},
+            {"allocation_id": alloc_b, "batch_id": "s-0", "lines": lines("b")},
+            {"allocation_id": alloc_a, "batch_id": "s-2", "lines": lines("a", 3)},
+        ]
+    }
+    url = f"/api/v1/agents/{agent}/logs"
+    answer = client.post(url, json=body, headers=as_agent(agent))
+    assert answer.status_code == 200, answer.text
+    outcomes = answer.json()["results"]
+    assert [o["status"] for o in outcomes] == [204, 409, 204]
+    assert "has ended" in outcomes[1]["error"]
+    assert stored_lines(settings) == {alloc_a: 5}
+    # sent again: every batch is known by its id, stored once
+    assert client.post(url, json=body, headers=as_agent(agent)).status_code == 200
+    assert stored_lines(settings) == {alloc_a: 5}
+
+
+def test_a_log_call_is_capped_by_its_lines_altogether(client: TestClient, settings: Settings) -> None:
+    ((_, allocation_id, agent),) = placed(client, settings, 1)
+    half = 50_001  # two batches under the cap of one, over it together
+    body = {"batches": [{"allocation_id": allocation_id, "lines": lines("x", half)} for _ in range(2)]}
+    answer = client.post(f"/api/v1/agents/{agent}/logs", json=body, headers=as_agent(agent))
+    assert answer.status_code == 422
+    assert "100,000" in answer.text
+    assert stored_lines(settings) == {}
