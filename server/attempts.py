@@ -16,19 +16,19 @@ Policy is kept apart from action (`decide_restart` only decides; `end_attempt` a
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from phalanx.schemas import JobSpec, JobState, NodeState
 from server import checkpoints
-from server.errors import Conflict, NotFound
+from server.errors import Conflict, NotFound, PhalanxError
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial
 from server.placement import Placement
-from server.transitions import db_now, schedule_jobs, start_node, start_running, transition, transition_node
+from server.transitions import db_now, schedule_jobs, start_nodes, start_running, transition, transition_node
 from server.wakeups import note_agent_work, note_schedule
 
 RUNNING_STATES = (JobState.RUNNING.value, JobState.SCHEDULED.value)
@@ -134,39 +134,65 @@ class ReportedNode:
     node_id: int
 
 
-def reported_node(
-    session: Session, agent_id: int, allocation_id: int, node_rank: int, *, lock_job: bool = False
-) -> ReportedNode:
-    """`find_node` in one statement, for the reports every node's start makes (rendezvous,
-    started); `lock_job` takes the job's row lock, as `lock_attempt` does, in the same statement."""
+NodeKey = tuple[int, int]  # (allocation id, node rank)
+
+
+def reported_nodes(
+    session: Session, agent_id: int, keys: Collection[NodeKey], *, lock_jobs: bool = False
+) -> dict[NodeKey, ReportedNode | PhalanxError]:
+    """`find_node` for many nodes in one statement, for the reports every node's start makes
+    (rendezvous, started): each node, or why its agent may not report on it (NotFound, Conflict).
+    `lock_jobs` takes the jobs' row locks, as `lock_attempt` does, in the same statement (a caller
+    that locks several takes them in id order first: `node_reports`)."""
     query = (
         select(
+            Allocation.id,
             Allocation.job_id,
             Job.state,
+            AllocationNode.node_rank,
             AllocationNode.id,
             AllocationNode.agent_id,
         )
         .select_from(Allocation)
         .join(Job, Job.id == Allocation.job_id)
-        .outerjoin(
-            AllocationNode,
-            (AllocationNode.allocation_id == Allocation.id) & (AllocationNode.node_rank == node_rank),
-        )
-        .where(Allocation.id == allocation_id)
+        .outerjoin(AllocationNode, AllocationNode.allocation_id == Allocation.id)
+        .where(Allocation.id.in_(sorted({allocation_id for allocation_id, _ in keys})))
     )
-    if lock_job:
+    if lock_jobs:
         query = query.with_for_update(of=Job)
-    row = session.execute(query).one_or_none()
-    if row is None:
-        raise NotFound(f"allocation {allocation_id} does not exist")
-    job_id, job_state, node_id, owner = row
-    if node_id is None:
-        raise NotFound(f"allocation {allocation_id} has no node rank {node_rank}")
-    if owner != agent_id:
-        raise Conflict(
-            f"node {node_rank} of allocation {allocation_id} belongs to agent {owner}, not to agent {agent_id}"
-        )
-    return ReportedNode(job_id, job_state, node_id)
+    known: set[int] = set()
+    nodes: dict[NodeKey, tuple[int, str, int, int]] = {}
+    for allocation_id, job_id, job_state, node_rank, node_id, owner in session.execute(query):
+        known.add(allocation_id)
+        if node_id is not None:
+            nodes[(allocation_id, node_rank)] = (job_id, job_state, node_id, owner)
+    found: dict[NodeKey, ReportedNode | PhalanxError] = {}
+    for allocation_id, node_rank in keys:
+        key = (allocation_id, node_rank)
+        if allocation_id not in known:
+            found[key] = NotFound(f"allocation {allocation_id} does not exist")
+        elif key not in nodes:
+            found[key] = NotFound(f"allocation {allocation_id} has no node rank {node_rank}")
+        elif (owner := nodes[key][3]) != agent_id:
+            found[key] = Conflict(
+                f"node {node_rank} of allocation {allocation_id} belongs to agent {owner}, not to agent {agent_id}"
+            )
+        else:
+            job_id, job_state, node_id, _ = nodes[key]
+            found[key] = ReportedNode(job_id, job_state, node_id)
+    return found
+
+
+def reported_node(
+    session: Session, agent_id: int, allocation_id: int, node_rank: int, *, lock_job: bool = False
+) -> ReportedNode:
+    """One node of `reported_nodes`; its refusal raised."""
+    found = reported_nodes(session, agent_id, [(allocation_id, node_rank)], lock_jobs=lock_job)[
+        (allocation_id, node_rank)
+    ]
+    if isinstance(found, PhalanxError):
+        raise found
+    return found
 
 
 def set_rendezvous(session: Session, agent_id: int, allocation_id: int, master_port: int) -> None:
@@ -188,22 +214,43 @@ def set_rendezvous(session: Session, agent_id: int, allocation_id: int, master_p
     note_agent_work(session, set(session.scalars(others)))
 
 
+def report_nodes_started(
+    session: Session, agent_id: int, keys: Collection[NodeKey]
+) -> dict[NodeKey, PhalanxError | None]:
+    """Nodes' torchruns started: under their jobs' row locks (two nodes of a gang reporting at once
+    each see the other's move), the nodes move, and each job once no node of its attempt waits to
+    launch. Set-based, read as columns without loading the attempts: every node of every attempt
+    reports it, and an agent reports the nodes it starts together in one call. Each key's refusal,
+    or None; a node already running (a report sent again) or exited is left as it is."""
+    found = reported_nodes(session, agent_id, keys, lock_jobs=True)
+    nodes = {key: node for key, node in found.items() if isinstance(node, ReportedNode)}
+    moved = start_nodes(session, [node.node_id for node in nodes.values()])
+    launching = {
+        allocation_id: node.job_id
+        for (allocation_id, _), node in nodes.items()
+        if node.node_id in moved and node.job_state == JobState.SCHEDULED.value
+    }
+    if launching:
+        still_waiting = set(
+            session.scalars(
+                select(AllocationNode.allocation_id)
+                .where(
+                    AllocationNode.allocation_id.in_(sorted(launching)),
+                    AllocationNode.state == NodeState.ASSIGNED.value,
+                )
+                .distinct()
+            )
+        )
+        ready = {job_id for allocation_id, job_id in launching.items() if allocation_id not in still_waiting}
+        start_running(session, ready, "torchrun started on every node")
+    return {key: None if isinstance(node, ReportedNode) else node for key, node in found.items()}
+
+
 def report_node_started(session: Session, agent_id: int, allocation_id: int, node_rank: int) -> None:
-    """A node's torchrun started: under the job's row lock (two nodes reporting at once each see
-    the other's move), the node moves, and the job once no node of its attempt waits to launch.
-    Read as columns, without loading the attempt: every node of every attempt reports it."""
-    node = reported_node(session, agent_id, allocation_id, node_rank, lock_job=True)
-    if not start_node(session, node.node_id):
-        return  # idempotent: a retried report, or the node already exited
-    if node.job_state != JobState.SCHEDULED.value:
-        return
-    waiting = session.execute(
-        select(func.count())
-        .select_from(AllocationNode)
-        .where(AllocationNode.allocation_id == allocation_id, AllocationNode.state == NodeState.ASSIGNED.value)
-    ).scalar_one()
-    if waiting == 0:
-        start_running(session, node.job_id, "torchrun started on every node")
+    """One node of `report_nodes_started`; its refusal raised."""
+    refused = report_nodes_started(session, agent_id, [(allocation_id, node_rank)])[(allocation_id, node_rank)]
+    if refused is not None:
+        raise refused
 
 
 # --- start -----------------------------------------------------------------------------------------

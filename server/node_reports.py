@@ -6,15 +6,17 @@ nodes together (at a cluster's fill, eight within a second), and its log shipper
 all of them each second: one call per node and per allocation was most of the server's work at
 1,000 agents (`bench/bench_scale.py`), most of it the framework's cost per request.
 
-Many in one call: one transaction, each report in a savepoint of its own, so a refused one (404,
-409) leaves the others applied and its outcome says why, as its own call would have. The jobs
-the reports touch are locked first, in id order: two calls holding several job locks each can
-then never wait for each other in a cycle.
+Many in one call: one transaction, each report applied or refused (404, 409) on its own, its
+outcome saying why as its own call would have: a run of started reports set-based (checked
+before anything is written), any other report in a savepoint. The jobs the reports touch are
+locked first, in id order: two calls holding several job locks each can then never wait for each
+other in a cycle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import groupby
 from typing import TypeVar
 
 from sqlalchemy import exists, insert, select
@@ -51,9 +53,19 @@ def apply_report(session: Session, agent_id: int, report: NodeReport) -> None:
 
 
 def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]) -> list[ReportOutcome]:
-    """Each report in order, in a savepoint of the caller's transaction; one outcome per report."""
+    """Each report in order, in the caller's transaction; one outcome per report. A run of started
+    reports is applied together, set-based (`attempts.report_nodes_started`: it checks every node
+    before it writes, so a refused one changes nothing); any other report in a savepoint of its own."""
     _lock_jobs_of(session, {r.allocation_id for r in reports})
-    return _each(session, reports, lambda report: apply_report(session, agent_id, report))
+    outcomes: list[ReportOutcome] = []
+    for is_started, run in groupby(reports, key=lambda r: isinstance(r, StartedReport)):
+        if is_started:
+            keys = [(r.allocation_id, r.node_rank) for r in run if isinstance(r, StartedReport)]
+            refused = attempts.report_nodes_started(session, agent_id, keys)
+            outcomes += [_refusal(refused[key]) for key in keys]
+        else:
+            outcomes += _each(session, list(run), lambda report: apply_report(session, agent_id, report))
+    return outcomes
 
 
 def store_logs(session: Session, agent_id: int, allocation_id: int, identity: str, lines: Sequence[LogLineIn]) -> None:
@@ -120,9 +132,13 @@ def _each(session: Session, items: Sequence[T], apply: Callable[[T], None]) -> l
     return outcomes
 
 
+def _refusal(error: PhalanxError | None) -> ReportOutcome:
+    return APPLIED if error is None else ReportOutcome(status=error.status_code, error=error.message)
+
+
 def _outcome(apply: Callable[[T], None], item: T) -> ReportOutcome:
     try:
         apply(item)
     except PhalanxError as exc:
-        return ReportOutcome(status=exc.status_code, error=exc.message)
+        return _refusal(exc)
     return APPLIED

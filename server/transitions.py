@@ -16,7 +16,7 @@ session so that `wakeups.publish_after_commit` wakes their watchers once the com
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -164,45 +164,63 @@ def transition(session: Session, job: Job, target: JobState, reason: str) -> Non
         note_study_change(session, study_id, trial_ended=target.is_terminal)
 
 
-def start_running(session: Session, job_id: int, reason: str) -> bool:
-    """SCHEDULED → RUNNING for a job whose row the caller locked, without loading it: the last
-    node of every attempt reports its start here, thousands at once when a cluster fills. False
-    (and nothing written) when the job is no longer SCHEDULED."""
+def start_running(session: Session, job_ids: Collection[int], reason: str) -> set[int]:
+    """SCHEDULED → RUNNING for jobs whose rows the caller locked, without loading them, in one
+    UPDATE and one insert of events: the last node of every attempt reports its start here,
+    thousands at once when a cluster fills. The jobs that moved; one no longer SCHEDULED is left
+    as it is."""
     if not can_transition(S.SCHEDULED, S.RUNNING):
-        raise IllegalTransition("job", job_id, S.SCHEDULED.value, S.RUNNING.value)
-    moved = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == S.SCHEDULED.value)
-        .values(state=S.RUNNING.value, wait_reason=None, started_at=func.coalesce(Job.started_at, utcnow()))
-        .returning(utcnow())
-        .execution_options(synchronize_session=False)
-    ).scalar_one_or_none()
-    if moved is None:
-        return False
+        raise IllegalTransition("job", min(job_ids, default=0), S.SCHEDULED.value, S.RUNNING.value)
+    if not job_ids:
+        return set()
+    moved = dict(
+        session.execute(
+            update(Job)
+            .where(Job.id.in_(sorted(job_ids)), Job.state == S.SCHEDULED.value)
+            .values(state=S.RUNNING.value, wait_reason=None, started_at=func.coalesce(Job.started_at, utcnow()))
+            .returning(Job.id, utcnow())
+            .execution_options(synchronize_session=False)
+        ).all()
+    )
+    if not moved:
+        return set()
     session.execute(
-        insert(JobEvent).values(
-            job_id=job_id, time=moved, from_state=S.SCHEDULED.value, to_state=S.RUNNING.value, reason=reason
-        )
+        insert(JobEvent),
+        [
+            {
+                "job_id": job_id,
+                "time": at,
+                "from_state": S.SCHEDULED.value,
+                "to_state": S.RUNNING.value,
+                "reason": reason,
+            }
+            for job_id, at in moved.items()
+        ],
     )
-    note_job_change(session, job_id)
-    study_id = session.execute(select(TuningTrial.study_id).where(TuningTrial.job_id == job_id)).scalar_one_or_none()
-    if study_id is not None:
+    for job_id in moved:
+        note_job_change(session, job_id)
+    studies = select(TuningTrial.study_id).where(TuningTrial.job_id.in_(list(moved))).distinct()
+    for study_id in session.scalars(studies):
         note_study_change(session, study_id)
-    return True
+    return set(moved)
 
 
-def start_node(session: Session, node_id: int) -> bool:
-    """ASSIGNED → RUNNING for a node, by id (the caller holds its job's row lock); False when the
-    node is no longer ASSIGNED (a report sent again, or the node exited)."""
+def start_nodes(session: Session, node_ids: Collection[int]) -> set[int]:
+    """ASSIGNED → RUNNING for nodes, by id, in one UPDATE (the caller holds their jobs' row
+    locks); the nodes that moved: one no longer ASSIGNED (a report sent again, or the node
+    exited) is left as it is."""
     if NodeState.RUNNING not in NODE_ALLOWED[NodeState.ASSIGNED]:
-        raise IllegalTransition("node", node_id, NodeState.ASSIGNED.value, NodeState.RUNNING.value)
-    result: Any = session.execute(
+        raise IllegalTransition("node", min(node_ids, default=0), NodeState.ASSIGNED.value, NodeState.RUNNING.value)
+    if not node_ids:
+        return set()
+    moved = session.scalars(
         update(AllocationNode)
-        .where(AllocationNode.id == node_id, AllocationNode.state == NodeState.ASSIGNED.value)
+        .where(AllocationNode.id.in_(sorted(node_ids)), AllocationNode.state == NodeState.ASSIGNED.value)
         .values(state=NodeState.RUNNING.value, started_at=utcnow())
+        .returning(AllocationNode.id)
         .execution_options(synchronize_session=False)
     )
-    return bool(result.rowcount == 1)
+    return set(moved)
 
 
 def record_event(session: Session, job: Job, reason: str) -> None:
