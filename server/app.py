@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         yield
         await waiter.stop()
         services.auth_threads.shutdown(wait=False)
+        services.agent_threads.shutdown(wait=False)
 
     app = FastAPI(
         title="Phalanx",
@@ -82,6 +84,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         prometheus=registry,
         holds=holds,
         heartbeats=HeartbeatBatcher(settings.database_url),
+        agent_threads=ThreadPoolExecutor(max_workers=settings.agent_threads, thread_name_prefix="agents"),
     )
     install_services(app, services)
     install_handlers(app, pages=dashboard_render.error_page)

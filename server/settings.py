@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     # wait longer for the GIL and starve the event loop that answers heartbeats and long-polls
     # (at 1,000 agents with 40 threads, heartbeats waited 14 s; bench/bench_scale.py).
     worker_threads: int = Field(8, ge=1, le=256)
+    # Threads of their own for the agents' and ranks' calls (work reads, node reports, logs,
+    # metrics): at a cluster's fill a thousand work reads and the nodes' reports queued for the
+    # worker threads, and a person's jobs list waited 10-26 s behind them (bench/bench_scale.py).
+    agent_threads: int = Field(4, ge=1, le=256)
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
     # on every other long-poll's wait).
     work_poll_seconds: float = Field(20.0, gt=0, le=300)

@@ -25,6 +25,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -263,8 +264,9 @@ class Waiter:
         timeout: float,
         interrupt: asyncio.Event | None = None,
         reread_at_timeout: bool = True,
+        threads: Executor | None = None,
     ) -> T:
-        """Long-poll: `load()` (in a worker thread) until `changed` says so, `timeout` passes or
+        """Long-poll: `load()` (in a worker thread, or one of `threads`) until `changed` says so, `timeout` passes or
         `interrupt` is set; re-read on every wake-up of `channel`. Returns the last value loaded.
 
         Without `reread_at_timeout`, a timeout that no wake-up preceded returns the last value
@@ -279,7 +281,10 @@ class Waiter:
                 while True:
                     event.clear()
                     mark = self.mark(channel)  # before the read: a wake-up during it is not lost
-                    value = await run_in_threadpool(load)
+                    if threads is None:
+                        value = await run_in_threadpool(load)
+                    else:
+                        value = await asyncio.get_running_loop().run_in_executor(threads, load)
                     remaining = deadline - time.monotonic()
                     if changed(value) or remaining <= 0 or (interrupt is not None and interrupt.is_set()):
                         return value

@@ -5,18 +5,27 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
+from functools import partial
 from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 from sqlalchemy import bindparam, func, select
-from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session
 
 from phalanx import schemas
 from server import access, agents, attempts, auth, checkpoints, commands, views
 from server import node_reports as node_reports_of
-from server.api.deps import MAX_ROW_ID, AgentDep, RowId, Services, ServicesDep, SessionDep, SessionsDep, UserDep
+from server.api.deps import (
+    MAX_ROW_ID,
+    AgentDep,
+    RowId,
+    Services,
+    ServicesDep,
+    SessionDep,
+    UserDep,
+    in_agent_thread,
+)
 from server.api.uploads import invalid_batch
 from server.errors import Forbidden, NotFound
 from server.ingest import batch_identity
@@ -195,7 +204,7 @@ async def agent_work(
             return _load_work(session, agent_id, settings)
 
     if wait <= 0:
-        return await run_in_threadpool(load)
+        return await in_agent_thread(services, load)
     gone = asyncio.Event()
 
     async def watch_disconnect() -> None:
@@ -213,11 +222,12 @@ async def agent_work(
                 min(wait, settings.work_poll_seconds),
                 interrupt=gone,
                 reread_at_timeout=False,  # the agent polls again at once: its next first read compares
+                threads=services.agent_threads,
             )
         finally:
             watcher.cancel()
     if gone.is_set():
-        await run_in_threadpool(_reap_at_expiry, services, agent_id)
+        await in_agent_thread(services, partial(_reap_at_expiry, services, agent_id))
     return work  # (nobody reads it when the agent hung up)
 
 
@@ -239,55 +249,55 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
 # many in one call (`reports`, `logs`); the one-node routes are the same reports one at a time.
 
 
-async def _in_transaction(sessions: sessionmaker[Session], work: Callable[[Session], T]) -> T:
-    """`work` in one transaction, run in one worker thread."""
+async def _in_transaction(services: Services, work: Callable[[Session], T]) -> T:
+    """`work` in one transaction, run in one of the agents' threads."""
 
     def run() -> T:
-        with sessions() as session, session.begin():
+        with services.sessions() as session, session.begin():
             return work(session)
 
-    return await run_in_threadpool(run)
+    return await in_agent_thread(services, run)
 
 
 @router.post("/{agent_id}/reports", response_model=schemas.ReportOutcomes)
 async def node_reports(
-    agent_id: RowId, body: schemas.NodeReports, sessions: SessionsDep, principal: AgentDep
+    agent_id: RowId, body: schemas.NodeReports, services: ServicesDep, principal: AgentDep
 ) -> schemas.ReportOutcomes:
     """Reports of the agent's nodes (started, exit, rendezvous), applied in order, each on its own:
     one outcome per report, 204 or the status and error its own call would have answered."""
     access.agent_acts_as(principal, agent_id)
-    outcomes = await _in_transaction(sessions, lambda s: node_reports_of.apply_reports(s, agent_id, body.reports))
+    outcomes = await _in_transaction(services, lambda s: node_reports_of.apply_reports(s, agent_id, body.reports))
     return schemas.ReportOutcomes(results=outcomes)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/rendezvous", status_code=204)
 async def rendezvous(
-    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, sessions: SessionsDep, principal: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.Rendezvous, services: ServicesDep, principal: AgentDep
 ) -> Response:
     """Node rank 0's agent tells where the gang meets; the other agents are woken to launch."""
     access.agent_acts_as(principal, agent_id)
     report = schemas.RendezvousReport(kind="rendezvous", allocation_id=allocation_id, master_port=body.master_port)
-    await _in_transaction(sessions, lambda s: node_reports_of.apply_report(s, agent_id, report))
+    await _in_transaction(services, lambda s: node_reports_of.apply_report(s, agent_id, report))
     return Response(status_code=204)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/started", status_code=204)
 async def node_started(
-    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, sessions: SessionsDep, principal: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeStarted, services: ServicesDep, principal: AgentDep
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
     report = schemas.StartedReport(kind="started", allocation_id=allocation_id, node_rank=body.node_rank)
-    await _in_transaction(sessions, lambda s: node_reports_of.apply_report(s, agent_id, report))
+    await _in_transaction(services, lambda s: node_reports_of.apply_report(s, agent_id, report))
     return Response(status_code=204)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/exit", status_code=204)
 async def node_exit(
-    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, sessions: SessionsDep, principal: AgentDep
+    agent_id: RowId, allocation_id: RowId, body: schemas.NodeExit, services: ServicesDep, principal: AgentDep
 ) -> Response:
     access.agent_acts_as(principal, agent_id)
     report = schemas.ExitReport(kind="exit", allocation_id=allocation_id, **body.model_dump())
-    await _in_transaction(sessions, lambda s: node_reports_of.apply_report(s, agent_id, report))
+    await _in_transaction(services, lambda s: node_reports_of.apply_report(s, agent_id, report))
     return Response(status_code=204)
 
 
@@ -306,18 +316,18 @@ def environment_lock(
 
 @router.post("/{agent_id}/logs", response_model=schemas.ReportOutcomes)
 async def ship_agent_logs(
-    agent_id: RowId, body: schemas.AgentLogBatches, sessions: SessionsDep, principal: AgentDep
+    agent_id: RowId, body: schemas.AgentLogBatches, services: ServicesDep, principal: AgentDep
 ) -> schemas.ReportOutcomes:
     """Batches of lines of several allocations of the agent, each stored (once, by its `batch_id`)
     or refused on its own: one outcome per batch, in the order sent."""
     access.agent_acts_as(principal, agent_id)
-    outcomes = await _in_transaction(sessions, lambda s: node_reports_of.store_log_batches(s, agent_id, body.batches))
+    outcomes = await _in_transaction(services, lambda s: node_reports_of.store_log_batches(s, agent_id, body.batches))
     return schemas.ReportOutcomes(results=outcomes)
 
 
 @router.post("/{agent_id}/allocations/{allocation_id}/logs", status_code=204)
 async def ship_logs(
-    agent_id: RowId, allocation_id: RowId, request: Request, sessions: SessionsDep, principal: AgentDep
+    agent_id: RowId, allocation_id: RowId, request: Request, services: ServicesDep, principal: AgentDep
 ) -> Response:
     """Store a batch of output lines; a batch sent again (same `batch_id`, or the same bytes) is
     answered 204 and stored once."""
@@ -329,6 +339,6 @@ async def ship_logs(
         raise invalid_batch("log batch", exc) from exc
     identity = batch_identity(batch.batch_id, raw)
     await _in_transaction(
-        sessions, lambda s: node_reports_of.store_logs(s, agent_id, allocation_id, identity, batch.lines)
+        services, lambda s: node_reports_of.store_logs(s, agent_id, allocation_id, identity, batch.lines)
     )
     return Response(status_code=204)

@@ -10,7 +10,16 @@ from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
 from server import access, attempts, checkpoints, profiles, views
-from server.api.deps import RankNumber, ReporterDep, RowId, Services, ServicesDep, SessionDep, SettingsDep
+from server.api.deps import (
+    RankNumber,
+    ReporterDep,
+    RowId,
+    Services,
+    ServicesDep,
+    SessionDep,
+    SettingsDep,
+    in_agent_thread,
+)
 from server.api.uploads import invalid_batch
 from server.errors import Conflict, NotFound, Unprocessable
 from server.ingest import batch_identity, first_delivery, insert_metrics, record_progress
@@ -75,7 +84,7 @@ async def post_metrics(
                     note_task(session, ADVANCE_STUDY_TASK, study_id)
             return order
 
-    order = await run_in_threadpool(store)
+    order = await in_agent_thread(services, store)
     if order is None:
         return Response(status_code=204)
     answer = schemas.MetricBatchAnswer(profile=order)

@@ -4,10 +4,10 @@ sessions, the waiter, the task queue, and who is calling."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.templating import Jinja2Templates
@@ -24,6 +24,7 @@ from server.wakeups import Enqueue, Waiter
 
 # Enough for a thousand agents' tokens leaving the cache every 30 s (~35 lookups a second).
 AUTH_THREADS = 2
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +47,18 @@ class Services:
     auth_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=AUTH_THREADS, thread_name_prefix="auth")
     )
+    # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
+    # a person's request on the worker threads.
+    agent_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="agents")
+    )
     # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
     study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
+
+
+async def in_agent_thread(services: Services, work: Callable[[], T]) -> T:
+    """`work` on the agents' threads (`Services.agent_threads`): a call of an agent or a rank."""
+    return await asyncio.get_running_loop().run_in_executor(services.agent_threads, work)
 
 
 def install_services(app: FastAPI, services: Services) -> None:
