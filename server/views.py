@@ -32,7 +32,7 @@ from server.models import (
     TuningTrial,
     User,
 )
-from server.queue_status import QueueSnapshot, queue_snapshot
+from server.queue_status import SUBMITTED_SINCE, QueueSnapshot, queue_snapshot
 from server.settings import Settings
 
 # Loader options for a query whose rows `job_detail` converts: events, attempts, nodes and agents
@@ -92,11 +92,14 @@ def jobs(
     return result
 
 
-def queue_snapshot_for(session: Session, rows: Sequence[Job], settings: Settings) -> QueueSnapshot | None:
-    """The queue's state, when some of the rows wait in it (a kept snapshot, or one placement pass)."""
+def queue_snapshot_for(
+    session: Session, rows: Sequence[Job], settings: Settings, *, exact: bool = True
+) -> QueueSnapshot | None:
+    """The queue's state, when some of the rows wait in it (a kept snapshot, or one placement pass);
+    a list's is not `exact` (`queue_status.queue_snapshot`)."""
     queued = [row.id for row in rows if row.state == schemas.JobState.QUEUED.value]
     if queued:
-        return queue_snapshot(session, settings, showing=queued)
+        return queue_snapshot(session, settings, showing=queued, exact=exact)
     return None
 
 
@@ -143,6 +146,15 @@ def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot
 def queue_place(queue: QueueSnapshot, row: Job) -> schemas.QueuePlace | None:
     if row.state != schemas.JobState.QUEUED.value:
         return None
+    if not queue.knows(row.id):
+        return schemas.QueuePlace(
+            position=None,
+            team_position=None,
+            queued=len(queue.order),
+            reason=row.wait_reason or SUBMITTED_SINCE,
+            estimated_start=None,
+            estimate=SUBMITTED_SINCE,
+        )
     return schemas.QueuePlace(
         position=queue.positions.get(row.id),
         team_position=queue.team_positions.get(row.id),

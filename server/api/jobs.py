@@ -82,7 +82,9 @@ async def list_jobs(
             rows = list(session.scalars(query.limit(limit + 1).offset(offset)))
             shown = rows[:limit]
             next_before = shown[-1].id if len(rows) > limit else None  # more follow: the last id shown
-            return next_before, views.jobs(session, shown, queue=views.queue_snapshot_for(session, shown, settings))
+            return next_before, views.jobs(
+                session, shown, queue=views.queue_snapshot_for(session, shown, settings, exact=False)
+            )
 
     next_before, listed = await run_in_threadpool(read)
     if next_before is not None:

@@ -65,7 +65,9 @@ def jobs_page(
             found = list(session.scalars(bounded.order_by(Job.id.desc()).limit(PAGE_SIZE + 1)))
             newer, older = not newest, len(found) > PAGE_SIZE
             found = found[:PAGE_SIZE]
-        rows = views.jobs(session, found, queue=views.queue_snapshot_for(session, found, get_settings(request)))
+        rows = views.jobs(
+            session, found, queue=views.queue_snapshot_for(session, found, get_settings(request), exact=False)
+        )
         version = jobs_version(session)
     return render(
         request,

@@ -1,5 +1,6 @@
 """A queue snapshot kept for `queue_snapshot_seconds`: the reads within that time share it (no
-placement pass of their own), a job submitted since gets a fresh one, and an old one is replaced."""
+placement pass of their own), a job submitted since gets a fresh one on its own page (a list shows
+it without a place until then), and an old one is replaced."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.testclient import TestClient
 from server import queue_status
 from server.app import create_app
 from server.db import session_scope
+from server.queue_status import SUBMITTED_SINCE
 from server.settings import Settings
 from tests.agent_tokens import register_agent
 from tests.integration.test_api import USER
@@ -56,7 +58,7 @@ def one_running_one_waiting(client: TestClient, settings: Settings) -> int:
     return submit(client, USER, "waiting")
 
 
-def test_reads_share_a_kept_snapshot_until_a_newer_job_is_shown(
+def test_reads_share_a_kept_snapshot_until_a_newer_jobs_own_page_is_shown(
     client: TestClient, kept_settings: Settings, computed: list[int]
 ) -> None:
     register_agent(client, "n1", cpu_slots=1)
@@ -72,8 +74,12 @@ def test_reads_share_a_kept_snapshot_until_a_newer_job_is_shown(
     assert client.get("/api/v1/queue", headers=USER).json()["queued"] == 2
     assert computed == [2], "every read within the kept time shared the first snapshot"
 
-    third = submit(client, USER, "third")  # newer than the kept snapshot: shown, it gets a fresh one
-    assert job(client, third)["queue"]["position"] == 3
+    third = submit(client, USER, "third")  # newer than the kept snapshot
+    newest = client.get("/api/v1/jobs", headers=USER).json()[0]
+    assert (newest["id"], newest["queue"]["position"]) == (third, None)  # a list shows the kept one
+    assert newest["queue"]["estimate"] == SUBMITTED_SINCE
+    assert computed == [2]
+    assert job(client, third)["queue"]["position"] == 3  # its own page gets a fresh one
     assert computed == [2, 3]
     assert job(client, running)["queue"] is None  # a job that waits for nothing needs no snapshot
     assert computed == [2, 3]
