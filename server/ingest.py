@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -104,12 +105,21 @@ def first_delivery(session: Session, table: type[MetricBatch | LogBatch], alloca
     """Record a batch's id in `table` (MetricBatch or LogBatch); False when it was recorded before
     (the sender retried a batch whose answer it lost). The primary key decides, so two deliveries
     racing on two connections store it once too: the second waits for the first's commit."""
+    return bool(first_deliveries(session, table, [(allocation_id, batch_id)]))
+
+
+def first_deliveries(
+    session: Session, table: type[MetricBatch | LogBatch], batches: Collection[tuple[int, str]]
+) -> set[tuple[int, str]]:
+    """`first_delivery` for many (allocation id, batch id) in one statement: those recorded now."""
+    if not batches:
+        return set()
     dialect = session.get_bind().dialect.name
     make = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = (
         make(table)
-        .values(allocation_id=allocation_id, batch_id=batch_id)
+        .values([{"allocation_id": allocation_id, "batch_id": batch_id} for allocation_id, batch_id in sorted(batches)])
         .on_conflict_do_nothing()
-        .returning(table.batch_id)
+        .returning(table.allocation_id, table.batch_id)
     )
-    return session.execute(statement).first() is not None
+    return {(allocation_id, batch_id) for allocation_id, batch_id in session.execute(statement)}

@@ -16,8 +16,9 @@ other in a cycle.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import groupby
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import exists, insert, select
 from sqlalchemy.orm import Session
@@ -33,7 +34,7 @@ from phalanx.schemas import (
 )
 from server import attempts
 from server.errors import Conflict, NotFound, PhalanxError
-from server.ingest import batch_identity, first_delivery, from_unix
+from server.ingest import batch_identity, first_deliveries, from_unix
 from server.models import Allocation, AllocationNode, Job, LogBatch, LogLine
 from server.wakeups import note_job_data
 
@@ -68,50 +69,84 @@ def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]
     return outcomes
 
 
-def store_logs(session: Session, agent_id: int, allocation_id: int, identity: str, lines: Sequence[LogLineIn]) -> None:
-    """One allocation's batch of lines, stored once under `identity` (a resent batch changes
-    nothing); NotFound or Conflict when the allocation is unknown, ended or not on this agent."""
-    hosted = exists().where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == agent_id)
-    row = session.execute(
-        select(Allocation.job_id, Allocation.active, hosted).where(Allocation.id == allocation_id)
-    ).one_or_none()
-    if row is None:
-        raise NotFound(f"allocation {allocation_id} does not exist")
-    job_id, active, on_this_agent = row
-    if not on_this_agent:
-        raise Conflict(f"allocation {allocation_id} has no node on agent {agent_id}")
-    if not active:
-        raise Conflict(f"allocation {allocation_id} has ended; its logs are closed")
-    if not first_delivery(session, LogBatch, allocation_id, identity):
-        return  # sent again after its answer was lost: stored already
-    # Core executemany: logs arrive while training runs, and the ORM's unit of work costs several
-    # times more CPU per row.
-    session.execute(
-        insert(LogLine.metadata.tables["log_lines"]),
-        [
+@dataclass(frozen=True, slots=True)
+class LinesOf:
+    """One allocation's batch of lines, known by `identity` (`ingest.batch_identity`)."""
+
+    allocation_id: int
+    identity: str
+    lines: Sequence[LogLineIn]
+
+
+def store_logs(session: Session, agent_id: int, batches: Sequence[LinesOf]) -> list[PhalanxError | None]:
+    """Batches of lines, each stored once under its identity (a resent batch changes nothing), in
+    a constant number of statements; for each, None or why it was refused (NotFound: an unknown
+    allocation; Conflict: one ended or not on this agent). Every check comes before any write."""
+    hosted = (
+        exists()
+        .where(AllocationNode.allocation_id == Allocation.id, AllocationNode.agent_id == agent_id)
+        .correlate(Allocation)
+    )
+    ids = sorted({batch.allocation_id for batch in batches})
+    found = {
+        allocation_id: (job_id, active, on_this_agent)
+        for allocation_id, job_id, active, on_this_agent in session.execute(
+            select(Allocation.id, Allocation.job_id, Allocation.active, hosted).where(Allocation.id.in_(ids))
+        )
+    }
+    refusals: list[PhalanxError | None] = []
+    accepted: list[tuple[int, LinesOf]] = []
+    for batch in batches:
+        allocation_id = batch.allocation_id
+        if allocation_id not in found:
+            refusals.append(NotFound(f"allocation {allocation_id} does not exist"))
+            continue
+        job_id, active, on_this_agent = found[allocation_id]
+        if not on_this_agent:
+            refusals.append(Conflict(f"allocation {allocation_id} has no node on agent {agent_id}"))
+        elif not active:
+            refusals.append(Conflict(f"allocation {allocation_id} has ended; its logs are closed"))
+        else:
+            refusals.append(None)
+            accepted.append((job_id, batch))
+    # a batch sent again after its answer was lost is stored already
+    first = first_deliveries(session, LogBatch, {(b.allocation_id, b.identity) for _, b in accepted})
+    rows: list[dict[str, Any]] = []
+    noted: set[int] = set()
+    for job_id, batch in accepted:
+        if (batch.allocation_id, batch.identity) not in first:
+            continue
+        first.discard((batch.allocation_id, batch.identity))  # the same batch twice in one call
+        noted.add(job_id)
+        rows += [
             {
                 "job_id": job_id,
-                "allocation_id": allocation_id,
+                "allocation_id": batch.allocation_id,
                 "rank": line.rank,
                 "stream": line.stream,
                 "time": from_unix(line.time),
                 "line": line.line,
             }
-            for line in lines
-        ],
-    )
-    note_job_data(session, job_id)  # live log views
+            for line in batch.lines
+        ]
+    if rows:
+        # Core executemany: logs arrive while training runs, and the ORM's unit of work costs
+        # several times more CPU per row.
+        session.execute(insert(LogLine.metadata.tables["log_lines"]), rows)
+    for job_id in sorted(noted):
+        note_job_data(session, job_id)  # live log views
+    return refusals
 
 
 def store_log_batches(session: Session, agent_id: int, batches: Sequence[AllocationLogBatch]) -> list[ReportOutcome]:
-    """Each allocation's batch in order, in a savepoint of the caller's transaction; one outcome each.
-    A batch without a `batch_id` is known by the digest of its own JSON."""
-
-    def store(batch: AllocationLogBatch) -> None:
-        identity = batch_identity(batch.batch_id, batch.model_dump_json().encode())
-        store_logs(session, agent_id, batch.allocation_id, identity, batch.lines)
-
-    return _each(session, batches, store)
+    """`store_logs` for the batches of an agent's call; a batch without a `batch_id` is known by
+    the digest of its own JSON. One outcome per batch."""
+    refusals = store_logs(
+        session,
+        agent_id,
+        [LinesOf(b.allocation_id, batch_identity(b.batch_id, b.model_dump_json().encode()), b.lines) for b in batches],
+    )
+    return [_refusal(refusal) for refusal in refusals]
 
 
 def _lock_jobs_of(session: Session, allocation_ids: set[int]) -> None:

@@ -338,7 +338,8 @@ async def ship_logs(
     except ValidationError as exc:
         raise invalid_batch("log batch", exc) from exc
     identity = batch_identity(batch.batch_id, raw)
-    await _in_transaction(
-        services, lambda s: node_reports_of.store_logs(s, agent_id, allocation_id, identity, batch.lines)
-    )
+    batches = [node_reports_of.LinesOf(allocation_id, identity, batch.lines)]
+    (refusal,) = await _in_transaction(services, lambda s: node_reports_of.store_logs(s, agent_id, batches))
+    if refusal is not None:
+        raise refusal
     return Response(status_code=204)

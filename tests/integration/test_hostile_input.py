@@ -342,11 +342,12 @@ def test_the_agent_retries_a_log_batch_whose_answer_was_lost_under_the_same_id(
     class AnswerLostOnce(Client):
         """The real client; its first delivery reaches the server, and the answer never comes back."""
 
-        def ship_logs(self, agent_id: int, allocation_id: int, lines: Any, batch_id: str | None = None) -> None:
-            super().ship_logs(agent_id, allocation_id, lines, batch_id)
-            sent.append(batch_id)
+        def ship_log_batches(self, agent_id: int, batches: Any) -> Any:
+            outcomes = super().ship_log_batches(agent_id, batches)
+            sent.extend(batch.batch_id for batch in batches)
             if len(sent) == 1:
                 raise httpx.ReadTimeout("the answer was lost")
+            return outcomes
 
     with LiveServer(settings) as live:
         config = AgentConfig(live.url, AGENT_TOKEN, "a0", "127.0.0.1", 2, 0, tmp_path / "work")

@@ -150,13 +150,14 @@ def test_an_agents_log_batches_of_several_allocations_travel_in_one_call(
             {"allocation_id": alloc_a, "batch_id": "s-0", "lines": lines("a")},
             {"allocation_id": alloc_b, "batch_id": "s-0", "lines": lines("b")},
             {"allocation_id": alloc_a, "batch_id": "s-2", "lines": lines("a", 3)},
+            {"allocation_id": alloc_a, "batch_id": "s-0", "lines": lines("a")},  # twice in one call: once
         ]
     }
     url = f"/api/v1/agents/{agent}/logs"
     answer = client.post(url, json=body, headers=as_agent(agent))
     assert answer.status_code == 200, answer.text
     outcomes = answer.json()["results"]
-    assert [o["status"] for o in outcomes] == [204, 409, 204]
+    assert [o["status"] for o in outcomes] == [204, 409, 204, 204]
     assert "has ended" in outcomes[1]["error"]
     assert stored_lines(settings) == {alloc_a: 5}
     # sent again: every batch is known by its id, stored once
