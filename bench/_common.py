@@ -254,9 +254,9 @@ class ProcessGroup:
         self.supervisor.close()
 
 
-def start_server(group: ProcessGroup, port: int) -> str:
+def start_server(group: ProcessGroup, port: int, name: str = "server") -> str:
     url = f"http://127.0.0.1:{port}"
-    group.spawn("server", "server", "--port", str(port))
+    group.spawn(name, "server", "--port", str(port))
     with Client(url, "") as probe:
         group.wait_until(probe.healthy, 60, f"the server to answer on {url}")
     return url

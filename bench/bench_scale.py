@@ -1,7 +1,8 @@
 """The control plane at cluster size: simulated agents against one server and one scheduler.
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
-                                [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 10] [--json]
+                                [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 10]
+                                [--servers 1] [--json]
 
 A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
 process and one scheduler process, as `phalanx server` and `phalanx scheduler` run them. Everything
@@ -20,6 +21,10 @@ else is simulated in this process with asyncio, no torch:
   once; later a submitter tops the queue up so that it never runs dry.
 - A reader asks for the jobs list (newest 100) and one random job, alternately, 10 times a second,
   and the agents list once a second.
+
+With `--servers N`, N server processes (replicas) share the database and Redis; agent i talks to
+server i mod N, as round-robin DNS would spread them, and the admin, submitters and reader talk
+to the first; `server_rss_mb` is then the largest one's.
 
 Phases: register the agents, submit the backlog, release it and time the fill (allocations counted
 in the database every 0.1 s until the count stops rising for 2 s or the cluster is full:
@@ -185,6 +190,7 @@ class Node:
 class SimulatedAgent:
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim = sim
+        self.api = sim.apis[index % len(sim.apis)]  # agents spread over the servers, as DNS would
         self.name = f"sim-{index:05d}"
         self.agent_id = 0
         self.token = ""
@@ -198,7 +204,7 @@ class SimulatedAgent:
         self.logs_waiting = asyncio.Event()
 
     async def register(self) -> None:
-        answer = await self.sim.api.call(
+        answer = await self.api.call(
             "register",
             "POST",
             "/agents/register",
@@ -216,7 +222,7 @@ class SimulatedAgent:
         while True:
             began = time.monotonic()
             try:
-                await self.sim.api.call("heartbeat", "POST", f"/agents/{self.agent_id}/heartbeat", self.token)
+                await self.api.call("heartbeat", "POST", f"/agents/{self.agent_id}/heartbeat", self.token)
             except ApiFailed as exc:
                 self.sim.note_error("heartbeat", exc)
                 if exc.status == 409:  # declared lost: register again, as the agent does
@@ -242,7 +248,7 @@ class SimulatedAgent:
                 self.reports_waiting.clear()
             body = {"reports": [report for report, _ in taken]}
             try:
-                answer = await self.sim.api.call(
+                answer = await self.api.call(
                     "reports", "POST", f"/agents/{self.agent_id}/reports", self.token, json=body
                 )
             except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
@@ -263,14 +269,14 @@ class SimulatedAgent:
             for at in range(0, len(batches), MAX_REPORTS_PER_CALL):
                 body = {"batches": batches[at : at + MAX_REPORTS_PER_CALL]}
                 try:
-                    await self.sim.api.call("logs", "POST", f"/agents/{self.agent_id}/logs", self.token, json=body)
+                    await self.api.call("logs", "POST", f"/agents/{self.agent_id}/logs", self.token, json=body)
                 except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
                     self.sim.note_error("logs", exc)
 
     async def work(self) -> None:
         while True:
             try:
-                answer = await self.sim.api.call(
+                answer = await self.api.call(
                     "work",
                     "GET",
                     f"/agents/{self.agent_id}/work",
@@ -352,7 +358,7 @@ class SimulatedAgent:
             step += 10
             now = time.time()
             records = [{"rank": r, "step": step, "time": now, "values": {"loss": 1.0 / step}} for r in ranks]
-            await self.sim.api.call(
+            await self.api.call(
                 "metrics",
                 "POST",
                 f"/allocations/{a['allocation_id']}/metrics",
@@ -373,11 +379,12 @@ async def wait_or_stop(ready: asyncio.Event, stop: asyncio.Event) -> bool:
 
 class Simulation:
     def __init__(
-        self, args: argparse.Namespace, url: str, database_url: str, pids: Callable[[], dict[str, int]]
+        self, args: argparse.Namespace, urls: list[str], database_url: str, pids: Callable[[], dict[str, int]]
     ) -> None:
         self.args = args
         self.tally = Tally()
-        self.api = Api(url, self.tally)
+        self.apis = [Api(url, self.tally) for url in urls]
+        self.api = self.apis[0]  # the admin's, the submitters' and the reader's
         self.dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
         self.pids = pids
         self.agents = [SimulatedAgent(self, i) for i in range(args.agents)]
@@ -554,9 +561,9 @@ class Simulation:
             )
 
     async def watch_rss(self, stop: asyncio.Event) -> None:
-        server = psutil.Process(self.pids()["server"])
+        servers = [psutil.Process(pid) for name, pid in self.pids().items() if name.startswith("server")]
         while not stop.is_set():
-            self.rss_mb = max(self.rss_mb, server.memory_info().rss / 2**20)
+            self.rss_mb = max(self.rss_mb, *(server.memory_info().rss / 2**20 for server in servers))
             await asyncio.sleep(0.5)
 
     async def database_writes(self) -> tuple[int, int]:
@@ -602,12 +609,14 @@ class Simulation:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.api.close()
+        for api in self.apis:
+            await api.close()
         heartbeats = len(self.tally.latencies["heartbeat"])
         reads = self.tally.latencies["jobs list"] + self.tally.latencies["job show"]
         return {
             "bench": "scale",
             "agents": args.agents,
+            "servers": args.servers,
             "slots_per_agent": args.slots,
             "jobs_stored": self.stored_jobs,
             "register_s": round(registered_s, 1),
@@ -640,14 +649,16 @@ class Simulation:
         """CPU seconds so far of the server, the scheduler and this simulator, and of the whole
         machine: what is left is PostgreSQL's, Redis's and anything else running."""
         totals: dict[str, float] = {}
-        roots = {name: pid for name, pid in self.pids().items() if name in ("server", "scheduler")}
-        roots["simulator"] = os.getpid()
-        for name, pid in roots.items():
+        roots = [(name.rstrip("0123456789"), pid) for name, pid in self.pids().items()]
+        roots.append(("simulator", os.getpid()))
+        for name, pid in roots:
+            if name not in ("server", "scheduler", "simulator"):
+                continue
             try:
                 t = psutil.Process(pid).cpu_times()
             except psutil.Error:
                 continue
-            totals[name] = t.user + t.system
+            totals[name] = totals.get(name, 0.0) + t.user + t.system
         machine = psutil.cpu_times()
         totals["machine"] = machine.user + machine.system + machine.nice + getattr(machine, "softirq", 0.0)
         return totals
@@ -671,14 +682,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         group = ProcessGroup(Path(tmp) / "logs", env)
         with keep_logs_on_failure(group.logs):
             try:
-                url = start_server(group, free_port())
+                urls = [start_server(group, free_port(), f"server{i or ''}") for i in range(args.servers)]
                 group.spawn("scheduler", "scheduler")
 
                 def pids() -> dict[str, int]:
                     return {name: popen.pid for name, popen in group.supervisor.children.items()}
 
                 async def simulate() -> dict[str, Any]:  # aiohttp binds to the running loop
-                    return await Simulation(args, url, database_url, pids).run()
+                    return await Simulation(args, urls, database_url, pids).run()
 
                 result = asyncio.run(simulate())
                 group.check()
@@ -703,6 +714,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--worker-threads", type=int, default=None, help="the server's PHALANX_WORKER_THREADS (default: its own)"
+    )
+    parser.add_argument(
+        "--servers", type=int, default=1, help="server processes (replicas); the agents are spread over them"
     )
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout (it is always the last)")
     args = parser.parse_args()
