@@ -1,7 +1,7 @@
 """The control plane at cluster size: simulated agents against one server and one scheduler.
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
-                                [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 10]
+                                [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
                                 [--servers 1] [--json]
 
 A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
