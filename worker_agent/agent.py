@@ -145,8 +145,11 @@ class LogShipper(threading.Thread):
                     batches.append(AllocationLogBatch(allocation_id=allocation_id, lines=lines, batch_id=batch_id))
                 try:
                     outcomes = reliably(partial(self._agent.client.ship_log_batches, self._agent.agent_id, batches))
-                except ApiError as exc:
+                except (ApiError, httpx.TransportError) as exc:  # past reliably's patience: the thread lives on
                     log.warning("dropped %d log lines: %s", sum(len(b.lines) for b in batches), exc)
+                    continue
+                if len(outcomes) != len(batches):  # a server that does not speak this call: the thread lives on
+                    log.warning("%d outcomes answered %d log batches", len(outcomes), len(batches))
                     continue
                 for batch, outcome in zip(batches, outcomes, strict=True):
                     if outcome.status >= 300:  # the allocation ended or moved: nobody reads them now
@@ -221,7 +224,9 @@ class NodeReporter(threading.Thread):
             reports = [report for report, _ in taken]
             try:
                 outcomes = reliably(partial(self._agent.client.report_nodes, self._agent.agent_id, reports))
-            except Exception as exc:  # the runners decide what it means for their node
+                if len(outcomes) != len(taken):
+                    raise ApiError(502, f"{len(outcomes)} outcomes answered {len(taken)} reports")
+            except Exception as exc:  # the runners decide what it means for their node; this thread lives on
                 for _, done in taken:
                     done.set_exception(exc)
                 continue
