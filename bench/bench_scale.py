@@ -158,8 +158,8 @@ class Api:
                         raise
             if answer.status != 429 or time.perf_counter() - started > REFUSED_RETRY_S:
                 break
-            # a full admission line (server/admission.py): back off and send again, as the
-            # agent's and the ranks' clients do (phalanx._retry)
+            # the server sheds load (429): back off and send again, as the agent's and the
+            # ranks' clients do (phalanx._retry)
             refusals += 1
             self.tally.statuses[f"{route} 429"] += 1
             await asyncio.sleep(backoff_delay(refusals))

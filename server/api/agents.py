@@ -243,7 +243,7 @@ def _reap_at_expiry(services: Services, agent_id: int) -> None:
 
 
 # The node reports below come by the thousand when a cluster fills or drains. Each is an async
-# route that runs its transaction in one worker thread: a sync route with a session dependency
+# route that runs its transaction in one of the agents' threads: a sync route with a session dependency
 # costs three thread hand-offs (open, call, close), and at a fill the event loop spent more on
 # those than the routes spent on their queries (`bench/bench_scale.py`). The agent sends them
 # many in one call (`reports`, `logs`); the one-node routes are the same reports one at a time.
