@@ -116,8 +116,10 @@ def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot
     owner or id."""
     held = sorted(job_id for job_id in queue.queued if job_id not in queue.positions)
     shown_ids = [*queue.order, *held][:limit]
-    loaded = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(shown_ids)))}
-    shown = [loaded[job_id] for job_id in shown_ids if job_id in loaded]  # one may have been deleted since
+    # the snapshot may be seconds old: a job placed, cancelled or deleted since is no longer queued
+    still_queued = select(Job).where(Job.id.in_(shown_ids), Job.state == schemas.JobState.QUEUED.value)
+    loaded = {job.id: job for job in session.scalars(still_queued)}
+    shown = [loaded[job_id] for job_id in shown_ids if job_id in loaded]
     owners = owner_names(session, shown)
     entries = []
     for row in shown:
@@ -140,7 +142,8 @@ def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot
                 submitted_at=row.submitted_at,
             )
         )
-    return schemas.QueueView(entries=entries, queued=len(queue.queued), estimated_at=queue.now)
+    queued_now = session.scalar(select(func.count()).select_from(Job).where(Job.state == schemas.JobState.QUEUED.value))
+    return schemas.QueueView(entries=entries, queued=queued_now or 0, estimated_at=queue.now)
 
 
 def queue_place(queue: QueueSnapshot, row: Job) -> schemas.QueuePlace | None:

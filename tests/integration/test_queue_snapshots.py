@@ -126,3 +126,15 @@ def test_requests_that_come_while_one_computes_take_its_snapshot(
     for reader in readers:
         reader.join(10)
     assert len(results) == 4 and all(result is results[0] for result in results)
+
+
+def test_the_queue_omits_a_job_that_left_it_since_the_kept_snapshot(
+    client: TestClient, kept_settings: Settings, computed: list[int]
+) -> None:
+    waiting = one_running_one_waiting(client, kept_settings)
+    before = client.get("/api/v1/queue", headers=USER).json()
+    assert [entry["job_id"] for entry in before["entries"]] == [waiting] and before["queued"] == 1
+    assert client.post(f"/api/v1/jobs/{waiting}/kill", headers=USER).status_code == 200
+    after = client.get("/api/v1/queue", headers=USER).json()
+    assert (after["entries"], after["queued"]) == ([], 0)
+    assert computed == [1], "the kept snapshot still lists the job; the view drops it"
