@@ -32,7 +32,7 @@ from typing import Protocol, TypeVar
 import redis
 import redis.asyncio as aioredis
 from sqlalchemy import event as orm_event
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from server.inotify import IN_CLOSE_WRITE, IN_MOVED_TO, FolderWatch
@@ -133,11 +133,19 @@ def note_schedule(session: Session) -> None:
 def publish_after_commit(sessions: sessionmaker[Session], publisher: Publisher, enqueue: Enqueue | None) -> None:
     """Carry out what a committed session noted: publish the job, study, agent and job-data
     channels, and enqueue the noted tasks and a driver pass for every study one of whose trial
-    jobs ended. Everything noted is dropped on rollback. `enqueue=None` (a process with no
-    queue) only publishes."""
+    jobs ended. Everything noted is dropped when the transaction rolls back. `enqueue=None` (a
+    process with no queue) only publishes.
+
+    SQLAlchemy fires `after_commit` and `after_rollback` for savepoints too. A released savepoint
+    carries nothing out: a wake-up before the real commit lets the woken read the old rows and
+    then sleep through the change (a gang's rank 1 waited a whole work poll for its master port).
+    A savepoint rolled back keeps what was noted, its own notes included: a wake-up too many costs
+    one read, one too few a whole long-poll."""
 
     @orm_event.listens_for(sessions, "after_commit")
     def _carry_out(session: Session) -> None:
+        if session.get_nested_transaction() is not None:  # a savepoint released, not the commit
+            return
         jobs = session.info.pop(_CHANGED_JOBS, None) or set()
         studies = session.info.pop(_CHANGED_STUDIES, None) or set()
         ended = session.info.pop(_ENDED_TRIAL_STUDIES, None) or set()
@@ -153,10 +161,11 @@ def publish_after_commit(sessions: sessionmaker[Session], publisher: Publisher, 
             for task, args in [*tasks, *((ADVANCE_STUDY_TASK, (s,)) for s in sorted(ended))]:
                 enqueue(task, *args)
 
-    @orm_event.listens_for(sessions, "after_rollback")  # the real one: a savepoint's keeps the outer changes
-    def _forget(session: Session) -> None:
-        for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES, _CHANNELS, _AGENTS, _TASKS):
-            session.info.pop(key, None)
+    @orm_event.listens_for(sessions, "after_transaction_end")
+    def _forget(session: Session, transaction: SessionTransaction) -> None:
+        if transaction.parent is None:  # after a commit, `_carry_out` has taken everything already
+            for key in (_CHANGED_JOBS, _CHANGED_STUDIES, _ENDED_TRIAL_STUDIES, _CHANNELS, _AGENTS, _TASKS):
+                session.info.pop(key, None)
 
 
 class Publisher:

@@ -303,23 +303,18 @@ class NodeRunner(threading.Thread):
             if environment is not None:
                 environment.release()
             self.agent.shipper.flush(a.allocation_id)
-            try:
-                self.agent.reporter.report(
-                    ExitReport(
-                        kind="exit",
-                        allocation_id=a.allocation_id,
-                        node_rank=a.node_rank,
-                        exit_code=exit_code,
-                        reason=reason[-MAX_EXIT_REASON_CHARS:],
-                        cause=cause,
-                    )
-                )
-                log.info("allocation %d node %d: reported exit %d", a.allocation_id, a.node_rank, exit_code)
-            except ApiError as exc:
-                log.warning("exit report for allocation %d refused: %s", a.allocation_id, exc)
+            report = ExitReport(
+                kind="exit",
+                allocation_id=a.allocation_id,
+                node_rank=a.node_rank,
+                exit_code=exit_code,
+                reason=reason[-MAX_EXIT_REASON_CHARS:],
+                cause=cause,
+            )
+            delivered = self.agent.report_exit(report)
             self.agent.remove_later(self.node_dir)
             self.agent.job_users.give_back(user)
-            self.agent.forget(self)
+            self.agent.forget(self, None if delivered else report)
 
     def _prepare(self) -> Path:
         a = self._assignment
@@ -460,6 +455,10 @@ class AgentDaemon:
             )
         )
         self._runners: dict[tuple[int, int], NodeRunner] = {}
+        # Nodes whose runner ended, until an answer no longer lists them: with the exit report
+        # still to deliver, or None once the server took it (or refused it for good). An answer
+        # read before the exit was applied still lists the node to run, and must not start it again.
+        self._ended: dict[tuple[int, int], ExitReport | None] = {}
         self._lock = threading.Lock()
 
     def register(self) -> None:
@@ -501,11 +500,28 @@ class AgentDaemon:
                 if node_dir.stat().st_mtime < cutoff:
                     shutil.rmtree(node_dir, ignore_errors=True)
 
-    def forget(self, runner: NodeRunner) -> None:
+    def report_exit(self, report: ExitReport) -> bool:
+        """Whether the server has the exit `report` now (applied, or refused: 404/409 are final)."""
+        try:
+            self.reporter.report(report)
+            a, code = report.allocation_id, report.exit_code
+            log.info("allocation %d node %d: reported exit %d", a, report.node_rank, code)
+        except ApiError as exc:
+            log.warning("exit report for allocation %d refused: %s", report.allocation_id, exc)
+            if exc.status >= 500 or exc.status == 429:
+                return False
+        except Exception as exc:  # the server unreachable past the retries: sent again on a later answer
+            log.warning("exit report for allocation %d not delivered: %s", report.allocation_id, exc)
+            return False
+        return True
+
+    def forget(self, runner: NodeRunner, undelivered: ExitReport | None = None) -> None:
+        """`runner` ended; `undelivered` is its exit report when the server did not take it."""
         with self._lock:
             for key, value in list(self._runners.items()):
                 if value is runner:
                     del self._runners[key]
+                    self._ended[key] = undelivered
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.config.heartbeat_interval):
@@ -521,16 +537,28 @@ class AgentDaemon:
     def reconcile(self, assignments: list[Assignment]) -> None:
         wanted = {(a.allocation_id, a.node_rank): a for a in assignments}
         with self._lock:
+            for key in self._ended.keys() - wanted.keys():
+                del self._ended[key]  # the server has its exit: it lists the node no more
             for key, runner in list(self._runners.items()):
                 runner.update(wanted.get(key))
             for key, assignment in wanted.items():
-                if key not in self._runners and assignment.desired == "run":
+                if key in self._ended:
+                    if (undelivered := self._ended[key]) is not None:
+                        self._ended[key] = None  # one delivery at a time
+                        threading.Thread(target=self._deliver_exit, args=(key, undelivered), daemon=True).start()
+                elif key not in self._runners and assignment.desired == "run":
                     runner = NodeRunner(self, assignment)
                     self._runners[key] = runner
                     runner.start()
                 elif key not in self._runners:
                     # Told to stop a node we are not running (we restarted): report it gone.
                     threading.Thread(target=self._report_absent, args=(assignment,), daemon=True).start()
+
+    def _deliver_exit(self, key: tuple[int, int], report: ExitReport) -> None:
+        if not self.report_exit(report):
+            with self._lock:
+                if key in self._ended:
+                    self._ended[key] = report
 
     def _report_absent(self, a: Assignment) -> None:
         try:

@@ -5,19 +5,25 @@ in the order sent; calls that touch the same jobs in opposite orders both go thr
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from phalanx.schemas import JobState, NodeState
+from phalanx.client import Client
+from phalanx.schemas import ExitReport, JobState, NodeState
 from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
 from server import attempts
 from server.db import session_scope
 from server.models import AllocationNode, Job, LogLine
 from server.settings import Settings
-from tests.agent_tokens import as_agent
+from tests.agent_tokens import as_agent, token_of
+from tests.conftest import AGENT_TOKEN
 from tests.integration.test_api import register, schedule, spec, submit
+from tests.integration.test_dashboard_live import LiveServer
+from tests.processes import wait_for
+from worker_agent.agent import AgentConfig, AgentDaemon, NodeRunner
 
 ONE_NODE = spec(resources={"nodes": 1})
 
@@ -173,3 +179,37 @@ def test_a_log_call_is_capped_by_its_lines_altogether(client: TestClient, settin
     assert answer.status_code == 422
     assert "100,000" in answer.text
     assert stored_lines(settings) == {}
+
+
+def test_an_agent_never_starts_again_a_node_it_ran_to_its_exit(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    """A work answer read before a node's exit was applied still lists it to run (its own exit
+    wakes no long-poll): the agent must not run that node a second time. An exit report the server
+    never got is sent again while the server still lists the node."""
+    (_, first, agent_id), (_, second, _) = placed(client, settings, 2)
+    with LiveServer(settings) as live:
+        agent = AgentDaemon(AgentConfig(live.url, AGENT_TOKEN, "a0", "127.0.0.1", 2, 0, tmp_path / "work"))
+        agent.client = Client(live.url, token_of(as_agent(agent_id)))
+        agent.agent_id = agent_id
+        agent.reporter.start()
+        stale = agent.client.agent_work(agent_id, "", wait=0).assignments
+        assert sorted(a.allocation_id for a in stale) == [first, second]
+        for assignment in stale:
+            runner = NodeRunner(agent, assignment)  # never started: its node "ran" and ended
+            agent._runners[(assignment.allocation_id, 0)] = runner
+            report = ExitReport(kind="exit", allocation_id=assignment.allocation_id, node_rank=0, exit_code=0)
+            delivered = assignment.allocation_id == first and agent.report_exit(report)
+            agent.forget(runner, None if delivered else report)  # the second's report was lost
+
+        agent.reconcile(stale)
+        assert agent._runners == {}, "a node that ended was started again"
+        wait_for(lambda: node_states(settings) == {first: "EXITED", second: "EXITED"}, 30, "the lost exit re-sent")
+        agent.reconcile(agent.client.agent_work(agent_id, "", wait=0).assignments)
+        assert agent._runners == {} and agent._ended == {}, "nodes the server no longer lists are forgotten"
+        agent.client.close()
+
+
+def node_states(settings: Settings) -> dict[int, str]:
+    with session_scope(settings.database_url) as session:
+        return dict(session.execute(select(AllocationNode.allocation_id, AllocationNode.state)).all())

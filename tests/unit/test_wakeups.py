@@ -75,3 +75,36 @@ def test_a_rollback_drops_what_was_noted(wired: Any) -> None:
     with sessions.begin():
         pass
     assert publisher.published == [] and enqueued == []
+
+
+def test_a_released_savepoint_carries_out_nothing_before_the_commit(wired: Any) -> None:
+    sessions, publisher, enqueued = wired
+    with sessions.begin() as session:
+        with session.begin_nested():
+            note_everything(session)
+        assert not publisher.published and not enqueued, "the woken would read rows not committed yet"
+    assert publisher.published == [{"job:1", JOBS_CHANNEL, "study:7", "agent:2", "agent:3", "job-data:4"}]
+    assert len(enqueued) == 3
+
+
+def test_a_savepoint_rolled_back_keeps_what_the_transaction_noted(wired: Any) -> None:
+    sessions, publisher, _ = wired
+    with sessions.begin() as session:
+        note_agent_work(session, [2])
+        with pytest.raises(RuntimeError), session.begin_nested():
+            note_agent_work(session, [3])
+            raise RuntimeError("one report refused")
+        note_job_data(session, 4)
+    assert publisher.published == [{"agent:2", "agent:3", "job-data:4"}]
+
+
+def test_a_rollback_from_inside_a_savepoint_drops_everything(wired: Any) -> None:
+    sessions, publisher, enqueued = wired
+    with pytest.raises(RuntimeError), sessions.begin() as session:
+        note_agent_work(session, [2])
+        with session.begin_nested():
+            note_everything(session)
+            raise RuntimeError("the whole call fails")
+    with sessions.begin():
+        pass
+    assert publisher.published == [] and enqueued == []
