@@ -584,9 +584,10 @@ class Simulation:
         await self.admin("POST", f"/teams/{TEAM}/hold")
         registered_s = await self.register_agents()
         log(f"{args.agents} agents registered in {registered_s:.1f} s")
-        self.tally.recording.add("heartbeat")
+        self.tally.recording |= {"heartbeat", "simulator loop lag"}
         stop = asyncio.Event()
         self.spawn(self.watch_rss(stop))
+        self.spawn(self.watch_loop_lag(stop))
         self.spawn(self.progress(stop))
         submit_s = await self.submit(args.jobs, args.gangs)
         log(f"{args.jobs} jobs submitted in {submit_s:.1f} s ({args.jobs / submit_s:.0f}/s)")
@@ -626,6 +627,8 @@ class Simulation:
             "agents_declared_lost": self.reregistered,
             "heartbeat_p50_ms": self.tally.p("heartbeat", 0.5),
             "heartbeat_p99_ms": self.tally.p("heartbeat", 0.99),
+            # how late this simulator's own event loop ran a timer: part of every latency it measures
+            "simulator_loop_lag_p99_ms": self.tally.p("simulator loop lag", 0.99),
             "api_p50_ms": None if not reads else round(percentile(reads, 0.5) or 0, 1),
             "api_p99_ms": None if not reads else round(percentile(reads, 0.99) or 0, 1),
             "jobs_list_p99_ms": self.tally.p("jobs list", 0.99),
@@ -644,6 +647,13 @@ class Simulation:
             "client_errors": dict(self.errors),
             "client_error_examples": self.error_examples,
         }
+
+    async def watch_loop_lag(self, stop: asyncio.Event) -> None:
+        """How late a 50 ms sleep of this process wakes: the simulator's own share of the latencies."""
+        while not stop.is_set():
+            began = time.perf_counter()
+            await asyncio.sleep(0.05)
+            self.tally.note("simulator loop lag", 200, max(0.0, time.perf_counter() - began - 0.05))
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of the server, the scheduler and this simulator, and of the whole

@@ -6,9 +6,12 @@ took the server and PostgreSQL's two cores and fell over ten seconds behind, and
 declared every agent lost (`bench/bench_scale.py`, RESULTS.md "Control-plane scale"). Batched,
 they are a few transactions a second however many agents there are.
 
-Contract: `beat(agent_id)` returns once the heartbeat is in the database, exactly as a write of its
-own would (so its answer still says whether it counted): it raises `NotFound` for an agent that
-is not registered and `Conflict` for one declared LOST. A heartbeat whose agent's row another
+Contract: `beat(agent_id)` of an agent whose last heartbeat written by this process counted
+answers at once, and the heartbeat goes in the next batch: under load, waiting for the batch was
+most of a heartbeat's time, and an agent declared lost meanwhile hears it one beat later. Any other
+heartbeat (the agent's first here, or one after a refusal or a failed write) returns once it is
+in the database, exactly as a write of its own would: it raises `NotFound` for an agent that is
+not registered and `Conflict` for one declared LOST. A heartbeat whose agent's row another
 transaction holds (the reaper may be declaring it lost) waits for a later batch instead of
 holding up the whole batch. An idle server writes a lone heartbeat at
 once; heartbeats that arrive during a write wait for it to finish and go in the next, so under
@@ -47,15 +50,20 @@ class HeartbeatBatcher:
         # (a thousand long-polls re-reading at once when agents start or a server restarts),
         # heartbeats waited past the agents' timeout and the reaper declared them lost.
         self._sessions = sessionmaker(_engine(database_url), expire_on_commit=False)
+        # an agent's heartbeats that wait for the write; none for one answered at once
         self._waiting: dict[int, list[asyncio.Future[HeartbeatOutcome | None]]] = {}
+        self._counted: set[int] = set()  # agents whose last heartbeat written here counted
         self._writer: asyncio.Task[None] | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
 
     async def beat(self, agent_id: int) -> None:
-        answer: asyncio.Future[HeartbeatOutcome | None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(agent_id, []).append(answer)
+        answers = self._waiting.setdefault(agent_id, [])
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_while_waiting())
+        if agent_id in self._counted:
+            return
+        answer: asyncio.Future[HeartbeatOutcome | None] = asyncio.get_running_loop().create_future()
+        answers.append(answer)
         outcome = await answer
         if outcome == "unknown":
             raise NotFound(f"agent {agent_id} is not registered; register it first")
@@ -68,6 +76,7 @@ class HeartbeatBatcher:
             try:
                 outcomes = await asyncio.get_running_loop().run_in_executor(self._thread, self._write, sorted(batch))
             except Exception as exc:  # the database is down: every waiting heartbeat fails as its own would
+                self._counted.difference_update(batch)
                 for answers in batch.values():
                     for answer in answers:
                         if not answer.done():
@@ -79,6 +88,10 @@ class HeartbeatBatcher:
                     self._waiting.setdefault(agent_id, []).extend(answers)
                     busy = True
                     continue
+                if outcomes.get(agent_id) is None:
+                    self._counted.add(agent_id)
+                else:
+                    self._counted.discard(agent_id)
                 for answer in answers:
                     if not answer.done():  # its request may have been cancelled
                         answer.set_result(outcomes.get(agent_id))

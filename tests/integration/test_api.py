@@ -25,6 +25,7 @@ from server.models import Agent, ControlPlane, Job, Metric
 from server.settings import Settings
 from tests.agent_tokens import CLUSTER_AGENT, as_agent, as_rank, register_agent
 from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN, PG_ADMIN
+from tests.processes import wait_for
 
 pytestmark = pytest.mark.integration
 USER = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -364,6 +365,31 @@ def test_reaper_declares_silent_agents_lost_by_the_database_clock(client: TestCl
     assert beat.status_code == 409 and "register again" in beat.json()["error"]
     register(client, "a0")
     assert {a["state"] for a in client.get("/api/v1/agents", headers=USER).json()} == {"ACTIVE"}
+
+
+def test_a_heartbeat_that_counted_before_is_answered_at_once_and_a_loss_one_beat_later(
+    client: TestClient, settings: Settings
+) -> None:
+    """`server/heartbeats.py`: the answer of an agent whose last heartbeat counted does not wait for
+    the write; the write still happens, and what it finds (the agent declared lost) is the answer
+    of the beat after."""
+    a0 = register(client, "a0")
+
+    def beat() -> int:
+        return client.post(f"/api/v1/agents/{a0}/heartbeat", headers=as_agent(a0)).status_code
+
+    def stamped() -> Any:
+        with session_scope(settings.database_url) as session:
+            return session.scalar(select(Agent.last_heartbeat).where(Agent.id == a0))
+
+    assert beat() == 204  # the first: written before it is answered
+    written = stamped()
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Agent).where(Agent.id == a0).values(state="LOST"))
+    assert beat() == 204  # answered before its write found the agent lost
+    wait_for(lambda: beat() == 409, 10, "the loss to be answered")
+    register(client, "a0")
+    assert beat() == 204 and stamped() > written
 
 
 def test_server_refuses_an_unmigrated_database(tmp_path: Any) -> None:
