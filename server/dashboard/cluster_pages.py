@@ -149,18 +149,30 @@ def slot_holders(
     they learn)."""
     if not agent_ids:
         return {}
+    # columns, not rows: a page's 800 slots loaded their jobs whole, specs and all
     held = session.execute(
-        select(SlotLease, AllocationNode, Job, access.job_readable(user))
+        select(
+            SlotLease.agent_id,
+            SlotLease.slot_type,
+            SlotLease.slot_index,
+            AllocationNode.slot_indices,
+            AllocationNode.node_rank,
+            Job.id,
+            Job.name,
+            Job.slots_per_node,
+            access.job_readable(user),
+        )
         .join(AllocationNode, AllocationNode.id == SlotLease.node_id)
         .join(Allocation, Allocation.id == AllocationNode.allocation_id)
         .join(Job, Job.id == Allocation.job_id)
         .where(SlotLease.agent_id.in_(agent_ids))
     )
     holders: dict[tuple[int, str, int], tuple[int, str, int] | None] = {}
-    for lease, node, job, readable in held:
-        local_rank = list(node.slot_indices).index(lease.slot_index)
-        key = (lease.agent_id, lease.slot_type, lease.slot_index)
-        holders[key] = (job.id, job.name, node.node_rank * job.slots_per_node + local_rank) if readable else None
+    for agent_id, slot_type, slot_index, slot_indices, node_rank, job_id, name, slots_per_node, readable in held:
+        local_rank = list(slot_indices).index(slot_index)
+        holders[(agent_id, slot_type, slot_index)] = (
+            (job_id, name, node_rank * slots_per_node + local_rank) if readable else None
+        )
     return holders
 
 
