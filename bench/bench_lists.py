@@ -43,7 +43,7 @@ from sqlalchemy import text
 
 from bench._common import ADMIN_TOKEN, AGENT_TOKEN, REDIS_URL, BenchError, fresh_database, log
 from phalanx.schemas import JobSpec
-from server.app import create_app
+from server.app import create_app, freeze_startup_heap
 from server.db import engine_for
 from server.settings import Settings
 
@@ -198,6 +198,7 @@ def main() -> None:
             agent_token=AGENT_TOKEN,
         )
         app = create_app(settings, enqueue=lambda *_, **__: None)
+        freeze_startup_heap()  # as `phalanx server` does once its app is built
         with TestClient(app, follow_redirects=False) as client:
             started = time.perf_counter()
             users = fill(client, url, args.jobs, args.agents)

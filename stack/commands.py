@@ -43,7 +43,7 @@ def server(
     """Run the API server (FastAPI) on the configured database."""
     import uvicorn
 
-    from server.app import create_app
+    from server.app import create_app, freeze_startup_heap
     from server.db import SchemaOutOfDate
     from server.settings import get_settings
 
@@ -51,6 +51,7 @@ def server(
         application = create_app(get_settings())
     except SchemaOutOfDate as exc:
         fail(str(exc), 2)
+    freeze_startup_heap()
     _debuggable()
     log_level = os.environ.get("PHALANX_LOG_LEVEL", "warning").lower()
     uvicorn.run(application, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
