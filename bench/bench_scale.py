@@ -2,7 +2,7 @@
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
                                 [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
-                                [--servers 1] [--json]
+                                [--servers 1] [--heartbeat-server] [--json]
 
 A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
 process and one scheduler process, as `phalanx server` and `phalanx scheduler` run them. Everything
@@ -21,17 +21,22 @@ else is simulated in this process with asyncio, no torch:
   once; later a submitter tops the queue up so that it never runs dry.
 - A reader asks for the jobs list (newest 100) and one random job, alternately, 10 times a second,
   and the agents list once a second.
+- The probe: a process of its own sends the heartbeats of 20 of the agents and the reader's
+  requests, and times them (`Probe`). The simulator's one event loop, busy with every other
+  agent and node, runs a callback 100-250 ms late in the node-start storm, and every latency it
+  times includes that; its own timing of the other agents' heartbeats is reported beside.
 
 With `--servers N`, N server processes (replicas) share the database and Redis; agent i talks to
 server i mod N, as round-robin DNS would spread them, and the admin, submitters and reader talk
-to the first; `server_rss_mb` is then the largest one's.
+to the first; `server_rss_mb` is then the largest one's. With `--heartbeat-server`, one more
+replica serves the agents' heartbeats and nothing else (as a balancer's path rule would send them).
 
 Phases: register the agents, submit the backlog, release it and time the fill (allocations counted
 in the database every 0.1 s until the count stops rising for 2 s or the cluster is full:
 `placements_per_s` is the placements of the fill over its time, database writes included), then
-`--steady-seconds` of steady state in which jobs end and are replaced. Latencies are measured by
-the simulated clients, round trip included; the heartbeat's over the whole run after registration,
-the reader's while at least `--jobs` jobs are stored. Database writes per second come from
+`--steady-seconds` of steady state in which jobs end and are replaced. Latencies are round trips
+timed by the probe; the heartbeat's over the whole run after registration, the reader's while at
+least `--jobs` jobs are stored. Database writes per second come from
 `pg_stat_database` over the steady state.
 
 Prints progress on stderr and, as its last stdout line, one JSON object (see `GOALS`).
@@ -43,6 +48,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -51,6 +57,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +90,7 @@ TEAM = "scale"
 HEARTBEAT_INTERVAL_S = 2.0  # the agents' default (worker_agent.agent.AgentConfig)
 WORK_WAIT_S = 20.0  # the agents' long-poll, capped by the server's work_poll_seconds
 READS_PER_S = 10.0
+PROBED_AGENTS = 20  # of the agents, those whose heartbeats the probe sends and times
 RECONNECTS = 2
 REFUSED_RETRY_S = 120.0  # how long a call refused with 429 is sent again, as the clients' retries run
 LOG_SHIP_INTERVAL_S = 1.0  # the agent's (worker_agent.agent.SHIP_INTERVAL_S)
@@ -191,6 +199,10 @@ class SimulatedAgent:
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim = sim
         self.api = sim.apis[index % len(sim.apis)]  # agents spread over the servers, as DNS would
+        self.beats_to = sim.heartbeat_api or self.api
+        # its heartbeats come from the probe's process (`Probe`)
+        stride = max(1, sim.args.agents // PROBED_AGENTS)
+        self.probed = index % stride == 0 and index // stride < PROBED_AGENTS
         self.name = f"sim-{index:05d}"
         self.agent_id = 0
         self.token = ""
@@ -222,7 +234,7 @@ class SimulatedAgent:
         while True:
             began = time.monotonic()
             try:
-                await self.api.call("heartbeat", "POST", f"/agents/{self.agent_id}/heartbeat", self.token)
+                await self.beats_to.call("heartbeat", "POST", f"/agents/{self.agent_id}/heartbeat", self.token)
             except ApiFailed as exc:
                 self.sim.note_error("heartbeat", exc)
                 if exc.status == 409:  # declared lost: register again, as the agent does
@@ -377,13 +389,126 @@ async def wait_or_stop(ready: asyncio.Event, stop: asyncio.Event) -> bool:
     return ready.is_set()
 
 
+class Probe:
+    """Times what the goals time from a process of its own: the heartbeats of `PROBED_AGENTS` of
+    the agents, and the reads (the jobs list and one random job alternately, 10 a second; the
+    agents list once a second). The simulator's one event loop runs a thousand agents and seven
+    thousand nodes, and during the node-start storm it runs a ready callback 100-250 ms late:
+    every latency it times includes that. The probe's loop has nothing else to do. The load is
+    the same either way: every agent heartbeats, and the reads are the reader's."""
+
+    def __init__(self, url: str, beats_url: str, commands: Connection) -> None:
+        self.url, self.beats_url, self.commands = url, beats_url, commands
+        self.tally = Tally()
+        self.tally.recording |= {"heartbeat", "probe loop lag"}
+        self.errors: dict[str, int] = defaultdict(int)
+        self.newest_job = 1
+
+    async def run(self) -> None:
+        self.api, self.beats = Api(self.url, self.tally), Api(self.beats_url, self.tally)
+        tasks = [asyncio.create_task(self.loop_lag())]
+        while True:
+            command = await asyncio.get_running_loop().run_in_executor(None, self.commands.recv)
+            if command[0] == "agent":
+                tasks.append(asyncio.create_task(self.heartbeats(command[1], command[2])))
+            elif command[0] == "reads":
+                self.newest_job = max(1, command[1])
+                self.tally.recording |= {"jobs list", "job show", "agents list"}
+                tasks += [asyncio.create_task(self.reader()), asyncio.create_task(self.agents_reader())]
+            else:
+                break
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.api.close()
+        await self.beats.close()
+        self.commands.send((dict(self.tally.latencies), dict(self.tally.statuses), dict(self.errors)))
+
+    def note_error(self, where: str, exc: BaseException) -> None:
+        self.errors[f"{where}: {type(exc).__name__}"] += 1
+
+    async def heartbeats(self, agent_id: int, token: str) -> None:
+        while True:
+            began = time.monotonic()
+            try:
+                await self.beats.call("heartbeat", "POST", f"/agents/{agent_id}/heartbeat", token)
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                self.note_error("heartbeat", exc)  # a 409 (declared lost) is counted, not re-registered
+            await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
+
+    async def reader(self) -> None:
+        tick = 0
+        while True:
+            tick += 1
+            try:
+                if tick % 2:
+                    await self.api.call("jobs list", "GET", "/jobs", ADMIN_TOKEN, params={"limit": "100"})
+                else:
+                    job_id = random.randint(1, self.newest_job)
+                    await self.api.call("job show", "GET", f"/jobs/{job_id}", ADMIN_TOKEN)
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                self.note_error("reader", exc)
+            await asyncio.sleep(1 / READS_PER_S)
+
+    async def agents_reader(self) -> None:
+        while True:
+            try:
+                await self.api.call("agents list", "GET", "/agents", ADMIN_TOKEN)
+            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                self.note_error("reader", exc)
+            await asyncio.sleep(1.0)
+
+    async def loop_lag(self) -> None:
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(0.05)
+            self.tally.note("probe loop lag", 200, max(0.0, time.perf_counter() - began - 0.05))
+
+
+def _run_probe(url: str, beats_url: str, commands: Connection) -> None:
+    asyncio.run(Probe(url, beats_url, commands).run())
+
+
+class ProbeProcess:
+    """The simulator's side of the probe: agents to heartbeat, when reads begin, and at the end its
+    latencies."""
+
+    def __init__(self, url: str, beats_url: str) -> None:
+        context = multiprocessing.get_context("spawn")  # not a fork of a process with a running loop
+        self._commands, theirs = context.Pipe()
+        self._process = context.Process(target=_run_probe, args=(url, beats_url, theirs), daemon=True)
+        self.errors: dict[str, int] = {}
+
+    def start(self) -> None:
+        self._process.start()
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        self._commands.send(command)
+
+    async def results(self) -> Tally:
+        self.send(("stop",))
+        latencies, statuses, self.errors = await asyncio.get_running_loop().run_in_executor(None, self._commands.recv)
+        self._process.join(timeout=30)
+        tally = Tally()
+        tally.latencies.update(latencies)
+        tally.statuses.update(statuses)
+        return tally
+
+
 class Simulation:
     def __init__(
-        self, args: argparse.Namespace, urls: list[str], database_url: str, pids: Callable[[], dict[str, int]]
+        self,
+        args: argparse.Namespace,
+        urls: list[str],
+        database_url: str,
+        pids: Callable[[], dict[str, int]],
+        heartbeat_url: str | None = None,
     ) -> None:
         self.args = args
         self.tally = Tally()
         self.apis = [Api(url, self.tally) for url in urls]
+        self.heartbeat_api = None if heartbeat_url is None else Api(heartbeat_url, self.tally)
+        self.probe = ProbeProcess(urls[0], heartbeat_url or urls[0])
         self.api = self.apis[0]  # the admin's, the submitters' and the reader's
         self.dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
         self.pids = pids
@@ -415,7 +540,10 @@ class Simulation:
 
         async def one(agent: SimulatedAgent) -> None:
             await agent.register()
-            self.spawn(agent.heartbeats())
+            if agent.probed:
+                self.probe.send(("agent", agent.agent_id, agent.token))
+            else:
+                self.spawn(agent.heartbeats())
             self.spawn(agent.work())
             self.spawn(agent.reporter())
             self.spawn(agent.shipper())
@@ -504,30 +632,6 @@ class Simulation:
             "slots": capacity,
         }
 
-    async def reader(self, stop: asyncio.Event) -> None:
-        """The jobs list and one random job, alternately."""
-        tick = 0
-        while not stop.is_set():
-            tick += 1
-            try:
-                if tick % 2:
-                    await self.api.call("jobs list", "GET", "/jobs", ADMIN_TOKEN, params={"limit": "100"})
-                else:
-                    job_id = random.randint(1, max(1, self.submitted))
-                    await self.api.call("job show", "GET", f"/jobs/{job_id}", ADMIN_TOKEN)
-            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
-                self.note_error("reader", exc)
-            await asyncio.sleep(1 / READS_PER_S)
-
-    async def agents_reader(self, stop: asyncio.Event) -> None:
-        """The agents list (every agent) once a second."""
-        while not stop.is_set():
-            try:
-                await self.api.call("agents list", "GET", "/agents", ADMIN_TOKEN)
-            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
-                self.note_error("reader", exc)
-            await asyncio.sleep(1.0)
-
     async def keep_backlog(self, stop: asyncio.Event) -> None:
         """Top the queue up to `--jobs` queued jobs every few seconds."""
         while not stop.is_set():
@@ -582,6 +686,7 @@ class Simulation:
         args = self.args
         await self.admin("POST", "/teams", json={"name": TEAM})
         await self.admin("POST", f"/teams/{TEAM}/hold")
+        self.probe.start()
         registered_s = await self.register_agents()
         log(f"{args.agents} agents registered in {registered_s:.1f} s")
         self.tally.recording |= {"heartbeat", "simulator loop lag"}
@@ -591,9 +696,7 @@ class Simulation:
         self.spawn(self.progress(stop))
         submit_s = await self.submit(args.jobs, args.gangs)
         log(f"{args.jobs} jobs submitted in {submit_s:.1f} s ({args.jobs / submit_s:.0f}/s)")
-        self.tally.recording |= {"jobs list", "job show", "agents list"}
-        self.spawn(self.reader(stop))
-        self.spawn(self.agents_reader(stop))
+        self.probe.send(("reads", self.submitted))
         fill = await self.fill()
         log(f"fill: {fill}")
         self.spawn(self.keep_backlog(stop))
@@ -610,14 +713,20 @@ class Simulation:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for api in self.apis:
+        for api in [*self.apis, *([self.heartbeat_api] if self.heartbeat_api else [])]:
             await api.close()
-        heartbeats = len(self.tally.latencies["heartbeat"])
-        reads = self.tally.latencies["jobs list"] + self.tally.latencies["job show"]
+        probed = await self.probe.results()
+        for name, count in probed.statuses.items():
+            self.tally.statuses[name] += count
+        for name, count in self.probe.errors.items():
+            self.errors[name] += count
+        heartbeats = len(self.tally.latencies["heartbeat"]) + len(probed.latencies["heartbeat"])
+        reads = probed.latencies["jobs list"] + probed.latencies["job show"]
         return {
             "bench": "scale",
             "agents": args.agents,
             "servers": args.servers,
+            "heartbeat_server": args.heartbeat_server,
             "slots_per_agent": args.slots,
             "jobs_stored": self.stored_jobs,
             "register_s": round(registered_s, 1),
@@ -625,15 +734,19 @@ class Simulation:
             **fill,
             "heartbeats": heartbeats,
             "agents_declared_lost": self.reregistered,
-            "heartbeat_p50_ms": self.tally.p("heartbeat", 0.5),
-            "heartbeat_p99_ms": self.tally.p("heartbeat", 0.99),
-            # how late this simulator's own event loop ran a timer: part of every latency it measures
+            # timed by the probe's process (`Probe`), its own loop idle; the simulator's own timing
+            # of the other agents' heartbeats includes its loop's lag
+            "heartbeat_p50_ms": probed.p("heartbeat", 0.5),
+            "heartbeat_p99_ms": probed.p("heartbeat", 0.99),
+            "heartbeat_p99_ms_in_simulator": self.tally.p("heartbeat", 0.99),
+            # how late each process's event loop ran a 50 ms timer: part of every latency it times
             "simulator_loop_lag_p99_ms": self.tally.p("simulator loop lag", 0.99),
+            "probe_loop_lag_p99_ms": probed.p("probe loop lag", 0.99),
             "api_p50_ms": None if not reads else round(percentile(reads, 0.5) or 0, 1),
             "api_p99_ms": None if not reads else round(percentile(reads, 0.99) or 0, 1),
-            "jobs_list_p99_ms": self.tally.p("jobs list", 0.99),
-            "job_show_p99_ms": self.tally.p("job show", 0.99),
-            "agents_list_p99_ms": self.tally.p("agents list", 0.99),
+            "jobs_list_p99_ms": probed.p("jobs list", 0.99),
+            "job_show_p99_ms": probed.p("job show", 0.99),
+            "agents_list_p99_ms": probed.p("agents list", 0.99),
             "server_rss_mb": round(self.rss_mb, 1),
             "steady_s": round(steady_s, 1),
             "db_commits_per_s": round((commits_after - commits_before) / steady_s, 1),
@@ -662,7 +775,7 @@ class Simulation:
         roots = [(name.rstrip("0123456789"), pid) for name, pid in self.pids().items()]
         roots.append(("simulator", os.getpid()))
         for name, pid in roots:
-            if name not in ("server", "scheduler", "simulator"):
+            if name not in ("server", "server-heartbeats", "scheduler", "simulator"):
                 continue
             try:
                 t = psutil.Process(pid).cpu_times()
@@ -693,13 +806,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with keep_logs_on_failure(group.logs):
             try:
                 urls = [start_server(group, free_port(), f"server{i or ''}") for i in range(args.servers)]
+                beats = start_server(group, free_port(), "server-heartbeats") if args.heartbeat_server else None
                 group.spawn("scheduler", "scheduler")
 
                 def pids() -> dict[str, int]:
                     return {name: popen.pid for name, popen in group.supervisor.children.items()}
 
                 async def simulate() -> dict[str, Any]:  # aiohttp binds to the running loop
-                    return await Simulation(args, urls, database_url, pids).run()
+                    return await Simulation(args, urls, database_url, pids, beats).run()
 
                 result = asyncio.run(simulate())
                 group.check()
@@ -727,6 +841,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--servers", type=int, default=1, help="server processes (replicas); the agents are spread over them"
+    )
+    parser.add_argument(
+        "--heartbeat-server",
+        action="store_true",
+        help="one more replica that serves every agent's heartbeats and nothing else, as a balancer's path rule would",
     )
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout (it is always the last)")
     args = parser.parse_args()
