@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import itertools
 import json
 import multiprocessing
@@ -143,7 +144,8 @@ class Api:
         self.url = url
         self.tally = tally
         self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            # idle connections closed before uvicorn's 5 s keep-alive closes them under a request
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=4.0),
             timeout=aiohttp.ClientTimeout(total=WORK_WAIT_S + 30),
         )
 
@@ -159,10 +161,12 @@ class Api:
                     async with self.http.request(method, self.url + API + path, headers=headers, **kw) as answer:
                         body = await answer.read()
                     break
-                except aiohttp.ServerDisconnectedError:
-                    # a kept-alive connection the server closed as it was reused: send again, as
-                    # the agent's own client does
-                    if attempt == RECONNECTS:
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    # a kept-alive connection the server closed as it was reused (disconnected, or
+                    # reset when the close crossed the request): send again, as the agent's own
+                    # client does (a report or a batch sent twice is applied once)
+                    reset = isinstance(exc, aiohttp.ServerDisconnectedError) or exc.errno == errno.ECONNRESET
+                    if attempt == RECONNECTS or not reset:
                         raise
             if answer.status != 429 or time.perf_counter() - started > REFUSED_RETRY_S:
                 break
