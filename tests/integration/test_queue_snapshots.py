@@ -138,3 +138,28 @@ def test_the_queue_omits_a_job_that_left_it_since_the_kept_snapshot(
     after = client.get("/api/v1/queue", headers=USER).json()
     assert (after["entries"], after["queued"]) == ([], 0)
     assert computed == [1], "the kept snapshot still lists the job; the view drops it"
+
+
+def test_a_list_shows_the_old_snapshot_while_a_thread_computes_the_next(
+    client: TestClient, kept_settings: Settings, computed: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waiting = one_running_one_waiting(client, kept_settings)
+    assert job(client, waiting)["queue"]["position"] == 1
+    inside, release = threading.Event(), threading.Event()
+    compute = queue_status.compute_queue_snapshot
+
+    def slow(*args: Any) -> queue_status.QueueSnapshot:
+        inside.set()
+        assert release.wait(10)
+        return compute(*args)
+
+    monkeypatch.setattr(queue_status, "compute_queue_snapshot", slow)
+    later = queue_status._clock() + KEPT_S + 1
+    monkeypatch.setattr(queue_status, "_clock", lambda: later)
+    second = submit(client, USER, "second")
+    listed = client.get("/api/v1/jobs", headers=USER).json()  # answered while the next one computes
+    assert [(row["id"], row["queue"]["position"]) for row in listed[:2]] == [(second, None), (waiting, 1)]
+    assert inside.wait(10), "the old snapshot started a computation of the next"
+    release.set()
+    assert job(client, second)["queue"]["position"] == 2  # waited for the thread's snapshot, not its own
+    assert computed == [1, 2], "the job page computed nothing of its own"
