@@ -58,6 +58,20 @@ def one_running_one_waiting(client: TestClient, settings: Settings) -> int:
     return submit(client, USER, "waiting")
 
 
+def held_computations(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """From now on a snapshot's computation sets the first event, then waits for the second."""
+    inside, release = threading.Event(), threading.Event()
+    compute = queue_status.compute_queue_snapshot
+
+    def slow(*args: Any) -> queue_status.QueueSnapshot:
+        inside.set()
+        assert release.wait(10)
+        return compute(*args)
+
+    monkeypatch.setattr(queue_status, "compute_queue_snapshot", slow)
+    return inside, release
+
+
 def test_reads_share_a_kept_snapshot_until_a_newer_jobs_own_page_is_shown(
     client: TestClient, kept_settings: Settings, computed: list[int]
 ) -> None:
@@ -102,15 +116,7 @@ def test_requests_that_come_while_one_computes_take_its_snapshot(
     kept_settings: Settings, client: TestClient, computed: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     one_running_one_waiting(client, kept_settings)
-    inside, release = threading.Event(), threading.Event()
-    compute = queue_status.compute_queue_snapshot
-
-    def slow(*args: Any) -> queue_status.QueueSnapshot:
-        inside.set()
-        assert release.wait(10)
-        return compute(*args)
-
-    monkeypatch.setattr(queue_status, "compute_queue_snapshot", slow)
+    inside, release = held_computations(monkeypatch)
     results: list[queue_status.QueueSnapshot] = []
 
     def read() -> None:
@@ -145,15 +151,7 @@ def test_a_list_shows_the_old_snapshot_while_a_thread_computes_the_next(
 ) -> None:
     waiting = one_running_one_waiting(client, kept_settings)
     assert job(client, waiting)["queue"]["position"] == 1
-    inside, release = threading.Event(), threading.Event()
-    compute = queue_status.compute_queue_snapshot
-
-    def slow(*args: Any) -> queue_status.QueueSnapshot:
-        inside.set()
-        assert release.wait(10)
-        return compute(*args)
-
-    monkeypatch.setattr(queue_status, "compute_queue_snapshot", slow)
+    inside, release = held_computations(monkeypatch)
     later = queue_status._clock() + KEPT_S + 1
     monkeypatch.setattr(queue_status, "_clock", lambda: later)
     second = submit(client, USER, "second")
