@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from phalanx._retry import is_retryable_status
 from phalanx.bundle_limits import BundleLimits, extract_bundle
 from phalanx.client import ApiError, Client, Conflict, reliably
 from phalanx.schemas import (
@@ -508,7 +509,7 @@ class AgentDaemon:
             log.info("allocation %d node %d: reported exit %d", a, report.node_rank, code)
         except ApiError as exc:
             log.warning("exit report for allocation %d refused: %s", report.allocation_id, exc)
-            if exc.status >= 500 or exc.status == 429:
+            if is_retryable_status(exc.status):
                 return False
         except Exception as exc:  # the server unreachable past the retries: sent again on a later answer
             log.warning("exit report for allocation %d not delivered: %s", report.allocation_id, exc)
