@@ -8,12 +8,12 @@ written: the scheduling pass stays the only writer of `wait_reason`.
 Cost: one placement pass over the whole queue and at most a few dozen small ones, a cost of the
 cluster's size (~0.15 s at 300 queued jobs and 1,000 agents, seconds at 3,000). So each server
 process keeps its newest snapshot and serves it to the requests of the next
-`Settings.queue_snapshot_seconds` that show no job newer than it; one request computes the next
-while the others wait for it, not beside it (`bench/bench_scale.py`: ten list reads a second each
-computed one, and took the server's core from heartbeats). A list, which needs no exact snapshot,
-never waits for one: an old one is replaced by a thread of its own while the list shows the old
-(at 10,000 queued and 7,000 running jobs a computation is ~1 s of the server's core, and every
-fifth second's list waited for it).
+`Settings.queue_snapshot_seconds`; one request computes the next while the others wait for it, not
+beside it (`bench/bench_scale.py`: ten list reads a second each computed one, and took the
+server's core from heartbeats). Only a read that shows a job newer than the kept snapshot on its
+own page waits for a computation; an old snapshot is shown while a thread of its own computes the
+next (at 10,000 queued and 7,000 running jobs a computation is ~1 s of the server's core, and
+every fifth second's read waited for it).
 """
 
 from __future__ import annotations
@@ -103,12 +103,16 @@ def remaining_seconds(session: Session, now: datetime, grace_s: float) -> dict[i
     return remaining
 
 
+@dataclass(frozen=True)
+class _Taken:
+    snapshot: QueueSnapshot
+    at: float  # _clock() when its reads began
+
+
 @dataclass
 class _Kept:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    snapshot: QueueSnapshot | None = None
-    queued: frozenset[int] = frozenset()
-    taken_at: float = 0.0  # _clock() when its reads began
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while one is computed
+    taken: _Taken | None = None  # replaced whole: a reader never sees half of two snapshots
 
 
 log = logging.getLogger(__name__)
@@ -120,36 +124,42 @@ _clock = time.monotonic
 def queue_snapshot(
     session: Session, settings: Settings, showing: Collection[int] = (), *, exact: bool = True
 ) -> QueueSnapshot:
-    """The queue as of at most `settings.queue_snapshot_seconds` ago and, when `exact`, as of later
-    than every QUEUED job in `showing` (the jobs the caller shows: one job's page must never show
-    it without its place). Lists are not exact: the newest jobs of a busy cluster's list are
-    nearly always newer than the snapshot, and a fresh one for each list read cost the server a
-    third of its core at 1,000 agents (`bench/bench_scale.py`); such a job shows `SUBMITTED_SINCE`."""
+    """The kept queue snapshot and, when `exact`, one as of later than every QUEUED job in `showing`
+    (the jobs the caller shows: one job's page must never show it without its place); only that
+    waits for a computation. One older than `settings.queue_snapshot_seconds` is still shown, while
+    a thread of its own computes the next: at 10,000 queued jobs a computation is ~1 s of the
+    server's core, and a job's page that waited for it every fifth second was the API's p99 at
+    1,000 agents (`bench/bench_scale.py`). Lists are not exact: the newest jobs of a busy
+    cluster's list are nearly always newer than the snapshot, and a fresh one for each list read
+    cost the server a third of its core; such a job shows `SUBMITTED_SINCE`."""
     max_age = settings.queue_snapshot_seconds
     if max_age <= 0:
         return compute_queue_snapshot(session, settings)
-    key = session.get_bind().engine.url.render_as_string(hide_password=True)
+    engine = session.get_bind().engine
+    key = engine.url.render_as_string(hide_password=True)
     with _kept_lock:
         kept = _kept.setdefault(key, _Kept())
 
-    def fresh() -> QueueSnapshot | None:
-        covers = not exact or kept.queued.issuperset(showing)
-        if kept.snapshot is not None and covers and _clock() - kept.taken_at <= max_age:
-            return kept.snapshot
-        return None
+    def usable() -> _Taken | None:
+        taken = kept.taken
+        if taken is None or (exact and not all(taken.snapshot.knows(job_id) for job_id in showing)):
+            return None
+        return taken
 
-    if (snapshot := fresh()) is not None:
-        return snapshot
-    if not exact and kept.snapshot is not None:
-        _replace_in_background(kept, session.get_bind().engine, settings)
-        return kept.snapshot
+    if (taken := usable()) is not None:
+        if _clock() - taken.at > max_age:
+            _replace_in_background(kept, engine, settings)
+        return taken.snapshot
     with kept.lock:  # one request computes; the ones that came meanwhile take its result
-        if (snapshot := fresh()) is not None:
-            return snapshot
-        taken_at = _clock()
-        snapshot = compute_queue_snapshot(session, settings)
-        kept.snapshot, kept.queued, kept.taken_at = snapshot, frozenset(snapshot.queued), taken_at
-        return snapshot
+        if (taken := usable()) is not None:
+            return taken.snapshot
+        kept.taken = _take(session, settings)
+        return kept.taken.snapshot
+
+
+def _take(session: Session, settings: Settings) -> _Taken:
+    at = _clock()
+    return _Taken(compute_queue_snapshot(session, settings), at)
 
 
 def _replace_in_background(kept: _Kept, engine: Engine, settings: Settings) -> None:
@@ -159,11 +169,9 @@ def _replace_in_background(kept: _Kept, engine: Engine, settings: Settings) -> N
 
     def replace() -> None:
         try:
-            taken_at = _clock()
             with Session(engine) as session, session.begin():
-                snapshot = compute_queue_snapshot(session, settings)
-            kept.snapshot, kept.queued, kept.taken_at = snapshot, frozenset(snapshot.queued), taken_at
-        except Exception:  # the next read tries again; the lists show the old one meanwhile
+                kept.taken = _take(session, settings)
+        except Exception:  # the next read tries again; the old one is shown meanwhile
             log.exception("could not compute the queue snapshot")
         finally:
             kept.lock.release()
