@@ -33,11 +33,12 @@ replica serves the agents' heartbeats and nothing else (as a balancer's path rul
 
 Phases: register the agents, submit the backlog, release it and time the fill (allocations counted
 in the database every 0.1 s until the count stops rising for 2 s or the cluster is full:
-`placements_per_s` is the placements of the fill over its time, database writes included), then
+`placements_per_s` is the placements of the fill over its time, database writes included), wait
+out the node-start storm (until every node the fill placed has started: `storm_s`), then
 `--steady-seconds` of steady state in which jobs end and are replaced. Latencies are round trips
 timed by the probe; the heartbeat's over the whole run after registration, the reader's while at
-least `--jobs` jobs are stored. Database writes per second come from
-`pg_stat_database` over the steady state.
+least `--jobs` jobs are stored, and both per phase (`phases`: submit, storm, steady). Database
+writes, cores and completions per second are the steady state's.
 
 Prints progress on stderr and, as its last stdout line, one JSON object (see `GOALS`).
 """
@@ -100,6 +101,7 @@ SUBMITTERS = 8
 # The fill ends when the allocation count stopped rising for this long.
 FILL_PLATEAU_S = 2.0
 FIRST_PLACEMENT_TIMEOUT_S = 120.0
+STORM_TIMEOUT_S = 300.0  # the most the steady state waits for the fill's nodes to start
 GOALS = {
     "placements_per_s": (">=", 1000.0),
     "heartbeat_p99_ms": ("<=", 100.0),
@@ -120,6 +122,8 @@ class Tally:
     """What the simulated clients saw: latencies per route, answers that were not 2xx."""
 
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # when each latency's call ended (time.monotonic(): one clock for every process of the machine)
+    ended: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     statuses: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     recording: set[str] = field(default_factory=set)  # routes whose latencies count now
 
@@ -129,11 +133,23 @@ class Tally:
         self.calls[route] += 1
         if route in self.recording:
             self.latencies[route].append(seconds * 1000)
+            self.ended[route].append(time.monotonic())
         if status >= 300:
             self.statuses[f"{route} {status}"] += 1
 
     def p(self, route: str, q: float) -> float | None:
         value = percentile(self.latencies[route], q)
+        return None if value is None else round(value, 1)
+
+    def p_between(self, routes: tuple[str, ...], q: float, began: float, ended: float) -> float | None:
+        """The `q` quantile of the calls of `routes` that ended between `began` and `ended`."""
+        values = [
+            latency
+            for route in routes
+            for latency, at in zip(self.latencies[route], self.ended[route], strict=True)
+            if began <= at < ended
+        ]
+        value = percentile(values, q)
         return None if value is None else round(value, 1)
 
 
@@ -426,7 +442,8 @@ class Probe:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.api.close()
         await self.beats.close()
-        self.commands.send((dict(self.tally.latencies), dict(self.tally.statuses), dict(self.errors)))
+        tally = self.tally
+        self.commands.send((dict(tally.latencies), dict(tally.ended), dict(tally.statuses), dict(self.errors)))
 
     def note_error(self, where: str, exc: BaseException) -> None:
         self.errors[f"{where}: {type(exc).__name__}"] += 1
@@ -491,10 +508,12 @@ class ProbeProcess:
 
     async def results(self) -> Tally:
         self.send(("stop",))
-        latencies, statuses, self.errors = await asyncio.get_running_loop().run_in_executor(None, self._commands.recv)
+        answer = await asyncio.get_running_loop().run_in_executor(None, self._commands.recv)
+        latencies, ended, statuses, self.errors = answer
         self._process.join(timeout=30)
         tally = Tally()
         tally.latencies.update(latencies)
+        tally.ended.update(ended)
         tally.statuses.update(statuses)
         return tally
 
@@ -524,6 +543,7 @@ class Simulation:
         self.reregistered = 0  # agents declared lost that registered again
         self.submitted = 0
         self.rss_mb = 0.0
+        self.released_at = 0.0  # time.monotonic() when the backlog was released
         self.stored_jobs = 0
 
     def note_error(self, where: str, exc: BaseException) -> None:
@@ -608,7 +628,7 @@ class Simulation:
                 return int(row[0]) if row else 0
 
             before = await placed()
-            released = time.monotonic()
+            released = self.released_at = time.monotonic()
             await self.admin("POST", f"/teams/{TEAM}/release")
             last, last_rise, peak_held = before, released, 0
             while True:
@@ -635,6 +655,26 @@ class Simulation:
             "peak_slots_held": peak_held,
             "slots": capacity,
         }
+
+    async def storm(self) -> float:
+        """Seconds from the fill's end until every node the fill placed has started (its agent
+        reported it), at most `STORM_TIMEOUT_S`: the node-start storm of a cluster filled at once."""
+        began = time.monotonic()
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            row = await (await conn.execute("SELECT coalesce(max(id), 0) FROM allocations")).fetchone()
+            last_placed = int(row[0]) if row else 0
+            while time.monotonic() - began < STORM_TIMEOUT_S:
+                row = await (
+                    await conn.execute(
+                        "SELECT count(*) FROM allocation_nodes n JOIN allocations a ON a.id = n.allocation_id "
+                        "WHERE a.id <= %s AND a.active AND n.started_at IS NULL",
+                        (last_placed,),
+                    )
+                ).fetchone()
+                if row is not None and row[0] == 0:
+                    break
+                await asyncio.sleep(0.5)
+        return time.monotonic() - began
 
     async def keep_backlog(self, stop: asyncio.Event) -> None:
         """Top the queue up to `--jobs` queued jobs every few seconds."""
@@ -698,12 +738,16 @@ class Simulation:
         self.spawn(self.watch_rss(stop))
         self.spawn(self.watch_loop_lag(stop))
         self.spawn(self.progress(stop))
+        submit_began = time.monotonic()
         submit_s = await self.submit(args.jobs, args.gangs)
         log(f"{args.jobs} jobs submitted in {submit_s:.1f} s ({args.jobs / submit_s:.0f}/s)")
         self.probe.send(("reads", self.submitted))
         fill = await self.fill()
         log(f"fill: {fill}")
         self.spawn(self.keep_backlog(stop))
+        storm_s = await self.storm()
+        log(f"every node the fill placed started {storm_s:.1f} s after the fill")
+        storm_ended = time.monotonic()
         cpu_before = self.cpu_seconds()
         commits_before, rows_before = await self.database_writes()
         steady_began = time.monotonic()
@@ -726,6 +770,14 @@ class Simulation:
             self.errors[name] += count
         heartbeats = len(self.tally.latencies["heartbeat"]) + len(probed.latencies["heartbeat"])
         reads = probed.latencies["jobs list"] + probed.latencies["job show"]
+        steady_ended = time.monotonic()
+        phases = {
+            # the backlog's submission: the agents heartbeat and long-poll, nothing runs yet
+            "submit": (submit_began, submit_began + submit_s),
+            # the release: the fill, then every agent starting its nodes at once
+            "storm": (self.released_at, storm_ended),
+            "steady": (storm_ended, steady_ended),  # jobs end and others start in their place
+        }
         return {
             "bench": "scale",
             "agents": args.agents,
@@ -751,7 +803,18 @@ class Simulation:
             "jobs_list_p99_ms": probed.p("jobs list", 0.99),
             "job_show_p99_ms": probed.p("job show", 0.99),
             "agents_list_p99_ms": probed.p("agents list", 0.99),
+            "phases": {
+                name: {
+                    "s": round(ended - began, 1),
+                    "heartbeat_p50_ms": probed.p_between(("heartbeat",), 0.5, began, ended),
+                    "heartbeat_p99_ms": probed.p_between(("heartbeat",), 0.99, began, ended),
+                    "api_p50_ms": probed.p_between(("jobs list", "job show"), 0.5, began, ended),
+                    "api_p99_ms": probed.p_between(("jobs list", "job show"), 0.99, began, ended),
+                }
+                for name, (began, ended) in phases.items()
+            },
             "server_rss_mb": round(self.rss_mb, 1),
+            "storm_s": round(storm_s, 1),
             "steady_s": round(steady_s, 1),
             "db_commits_per_s": round((commits_after - commits_before) / steady_s, 1),
             "db_rows_written_per_s": round((rows_after - rows_before) / steady_s, 1),

@@ -36,6 +36,10 @@ def test_the_simulator_fills_a_cluster_and_keeps_it_busy_without_a_server_error(
     assert result["nodes_completed_per_s"] > 0, "no job ended and was replaced in the steady state"
     assert result["heartbeats"] > agents and result["heartbeat_p99_ms"] is not None
     assert result["api_p99_ms"] is not None and result["agents_list_p99_ms"] is not None
+    assert result["storm_s"] < 60, "the nodes of the fill did not all start"
+    for phase in ("submit", "storm", "steady"):  # each phase timed on its own
+        assert result["phases"][phase]["heartbeat_p99_ms"] is not None, result["phases"]
+    assert result["phases"]["steady"]["api_p99_ms"] is not None, result["phases"]
     assert result["db_commits_per_s"] > 0
     assert not [k for k in result["non_2xx"] if k.split()[-1].startswith("5")], result["non_2xx"]
     assert result["client_errors"] == {}, result["client_error_examples"]
