@@ -17,6 +17,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -30,8 +31,14 @@ from server.models import Agent, Allocation, ApiToken, User, utcnow
 _CACHE_SECONDS = 5.0
 # An agent's own token is replaced only when the agent registers again, which the replica that
 # registers it applies at once; other replicas may accept the old one this long. 5 s would cost
-# a thousand agents 200 lookups a second.
+# a thousand agents 200 lookups a second. An attempt's credential never changes, and every route
+# a rank may call refuses an ended attempt by its allocation's state, not by its credential.
 _AGENT_CACHE_SECONDS = 30.0
+# The most tokens a process keeps. Over it, the expired go first, then the oldest: every attempt
+# brings a credential, and a cache emptied whole when it filled (7,000 running attempts and a
+# thousand agents) sent every agent's next heartbeat to a lookup at once, behind the ranks'; the
+# heartbeats waited past the agents' timeout (`bench/bench_scale.py`).
+MAX_CACHED_TOKENS = 50_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +63,11 @@ def new_token(kind: str) -> str:
 class TokenCache:
     """Hot routes (metrics, logs, long-polls) must not pay a query per request to authenticate."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = MAX_CACHED_TOKENS) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._capacity = capacity
+        self._entries: OrderedDict[str, tuple[float, Principal]] = OrderedDict()  # oldest put first
+        self._hashes: dict[int, set[str]] = {}  # token id -> its hashes here (an agent's old and new)
 
     def get(self, token_hash: str) -> Principal | None:
         with self._lock:
@@ -70,15 +79,38 @@ class TokenCache:
     def forget(self, token_id: int) -> None:
         """A revoked token stops working in this process at once (others: within the cache time)."""
         with self._lock:
-            for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
-                del self._entries[key]
+            for token_hash in self._hashes.pop(token_id, ()):
+                self._entries.pop(token_hash, None)
 
     def put(self, token_hash: str, principal: Principal) -> None:
+        seconds = _CACHE_SECONDS if principal.kind == "user" else _AGENT_CACHE_SECONDS
+        now = time.monotonic()
         with self._lock:
-            if len(self._entries) > 10_000:
-                self._entries.clear()
-            seconds = _AGENT_CACHE_SECONDS if principal.kind == "agent" else _CACHE_SECONDS
-            self._entries[token_hash] = (time.monotonic() + seconds, principal)
+            self._drop(token_hash)
+            self._entries[token_hash] = (now + seconds, principal)
+            self._hashes.setdefault(principal.token_id, set()).add(token_hash)
+            if len(self._entries) > self._capacity:
+                self._evict(now)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, token_hash: str) -> None:
+        entry = self._entries.pop(token_hash, None)
+        if entry is not None:
+            hashes = self._hashes.get(entry[1].token_id)
+            if hashes is not None:
+                hashes.discard(token_hash)
+                if not hashes:
+                    del self._hashes[entry[1].token_id]
+
+    def _evict(self, now: float) -> None:
+        """Down to nine tenths of the capacity (a scan per put at the brim would cost a scan per
+        lookup): the expired first, then the oldest put."""
+        for token_hash in [key for key, (expires, _) in self._entries.items() if expires <= now]:
+            self._drop(token_hash)
+        while len(self._entries) > self._capacity * 9 // 10:
+            self._drop(next(iter(self._entries)))
 
 
 RANK_TOKEN_PREFIX = "phx_r_"

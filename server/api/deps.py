@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from phalanx.schemas import NUL_FREE
-from server.auth import Principal, TokenCache, hash_token, lookup
+from server.auth import AGENT_TOKEN_PREFIX, Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, Unauthorized
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
@@ -46,6 +46,12 @@ class Services:
     # the cache waited past the agent's timeout, and the agent was declared lost.
     auth_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=AUTH_THREADS, thread_name_prefix="auth")
+    )
+    # The agents' own tokens have a lane of their own: behind the lookups of 7,000 attempts'
+    # credentials (a rank's first metric batch after a while), agents' heartbeats waited past
+    # their timeout.
+    agent_auth_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-auth")
     )
     # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
     # a person's request on the worker threads.
@@ -107,9 +113,8 @@ async def get_principal(request: Request) -> Principal:
     services = get_services(request)
     principal = services.token_cache.get(hash_token(token))
     if principal is None:
-        principal = await asyncio.get_running_loop().run_in_executor(
-            services.auth_threads, authenticate, request, token
-        )
+        threads = services.agent_auth_threads if token.startswith(AGENT_TOKEN_PREFIX) else services.auth_threads
+        principal = await asyncio.get_running_loop().run_in_executor(threads, authenticate, request, token)
     if principal is None:
         raise Unauthorized("the bearer token is not valid: check PHALANX_TOKEN, or ask an admin for a new one")
     return principal

@@ -1,0 +1,60 @@
+"""The per-process token cache (`server.auth.TokenCache`): bounded, and never emptied whole. A
+cache cleared when it filled sent every agent's next heartbeat to a database lookup at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from server import auth
+from server.auth import MAX_CACHED_TOKENS, Principal, TokenCache, agent_principal
+
+
+def rank(allocation_id: int) -> Principal:
+    return Principal(
+        kind="rank",
+        token_id=-allocation_id,
+        name=f"allocation {allocation_id}",
+        user_id=None,
+        is_admin=False,
+        allocation_id=allocation_id,
+    )
+
+
+def user(token_id: int) -> Principal:
+    return Principal(kind="user", token_id=token_id, name="ada", user_id=1, is_admin=False)
+
+
+def test_a_full_cache_keeps_its_newest_tokens() -> None:
+    cache = TokenCache()
+    agents = [f"agent-{i}" for i in range(1000)]
+    for i, token_hash in enumerate(agents, start=1):
+        cache.put(token_hash, agent_principal(i))
+    for allocation_id in range(1, MAX_CACHED_TOKENS + 1):  # an attempt's credential each
+        cache.put(f"rank-{allocation_id}", rank(allocation_id))
+    assert len(cache) <= MAX_CACHED_TOKENS
+    assert cache.get(f"rank-{MAX_CACHED_TOKENS}") == rank(MAX_CACHED_TOKENS)
+    assert cache.get(f"rank-{MAX_CACHED_TOKENS // 2}") is not None, "more than the oldest were dropped"
+    assert cache.get("agent-1") is None, "the oldest go first"
+
+
+def test_the_expired_go_before_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = TokenCache(capacity=10)
+    cache.put("oldest", agent_principal(1))
+    monkeypatch.setattr(auth, "_CACHE_SECONDS", -1.0)  # users' tokens put now are expired at once
+    for token_id in range(5):
+        cache.put(f"expired-{token_id}", user(token_id))
+    monkeypatch.undo()
+    for allocation_id in range(1, 6):
+        cache.put(f"rank-{allocation_id}", rank(allocation_id))
+    assert len(cache) == 6 and cache.get("oldest") == agent_principal(1)
+
+
+def test_forgetting_a_token_drops_each_of_its_hashes() -> None:
+    cache = TokenCache()
+    cache.put("before-registering-again", agent_principal(7))
+    cache.put("after-registering-again", agent_principal(7))
+    cache.put("another-agent", agent_principal(8))
+    cache.forget(auth.agent_token_id(7))
+    assert cache.get("before-registering-again") is None and cache.get("after-registering-again") is None
+    assert cache.get("another-agent") == agent_principal(8)
+    assert len(cache) == 1
