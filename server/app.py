@@ -66,7 +66,6 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         yield
         await waiter.stop()
         services.auth_threads.shutdown(wait=False)
-        services.agent_auth_threads.shutdown(wait=False)
         services.agent_threads.shutdown(wait=False)
 
     app = FastAPI(

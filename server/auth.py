@@ -60,54 +60,97 @@ def new_token(kind: str) -> str:
     return f"phx_{kind[0]}_{secrets.token_urlsafe(24)}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    expires: float  # time.monotonic()
+    principal: Principal
+    seconds: float  # how long it was put for
+
+
 class TokenCache:
-    """Hot routes (metrics, logs, long-polls) must not pay a query per request to authenticate."""
+    """Hot routes (metrics, logs, long-polls) must not pay a query per request to authenticate.
+
+    A token in use is looked up again before it leaves the cache (`get_refreshing`), by a thread
+    that no request waits for: at 1,000 agents, their tokens leaving the cache every 30 s sent 33
+    heartbeats a second to wait for a lookup, behind the lookups of the ranks' credentials, and on
+    a loaded database some waited past the agents' timeout."""
 
     def __init__(self, capacity: int = MAX_CACHED_TOKENS) -> None:
         self._lock = threading.Lock()
         self._capacity = capacity
-        self._entries: OrderedDict[str, tuple[float, Principal]] = OrderedDict()  # oldest put first
+        self._entries: OrderedDict[str, _Cached] = OrderedDict()  # oldest put first
         self._hashes: dict[int, set[str]] = {}  # token id -> its hashes here (an agent's old and new)
+        self._refreshing: set[str] = set()  # hashes being looked up again
 
     def get(self, token_hash: str) -> Principal | None:
+        return self.get_refreshing(token_hash, refresh=False)[0]
+
+    def get_refreshing(self, token_hash: str, *, refresh: bool = True) -> tuple[Principal | None, bool]:
+        """The token's principal while it is cached, and whether the caller is to look it up again
+        now (in its last third of its time, once: `refreshed` or `refresh_failed` ends that)."""
+        now = time.monotonic()
         with self._lock:
             entry = self._entries.get(token_hash)
-        if entry and entry[0] > time.monotonic():
-            return entry[1]
-        return None
+            if entry is None or entry.expires <= now:
+                return None, False
+            due = refresh and entry.expires - now < entry.seconds / 3 and token_hash not in self._refreshing
+            if due:
+                self._refreshing.add(token_hash)
+        return entry.principal, due
+
+    def refreshed(self, token_hash: str, principal: Principal | None) -> None:
+        """A lookup that `get_refreshing` asked for found `principal` (None: no longer valid). One
+        whose token was forgotten meanwhile (revoked) puts nothing back."""
+        with self._lock:
+            if token_hash not in self._refreshing:
+                return
+            self._refreshing.discard(token_hash)
+            if principal is None:
+                self._drop(token_hash)
+            else:
+                self._put(token_hash, principal)
+
+    def refresh_failed(self, token_hash: str) -> None:
+        """The lookup failed (the database unreachable): the next use asks again."""
+        with self._lock:
+            self._refreshing.discard(token_hash)
 
     def forget(self, token_id: int) -> None:
         """A revoked token stops working in this process at once (others: within the cache time)."""
         with self._lock:
             for token_hash in self._hashes.pop(token_id, ()):
                 self._entries.pop(token_hash, None)
+                self._refreshing.discard(token_hash)
 
     def put(self, token_hash: str, principal: Principal) -> None:
-        seconds = _CACHE_SECONDS if principal.kind == "user" else _AGENT_CACHE_SECONDS
-        now = time.monotonic()
         with self._lock:
-            self._drop(token_hash)
-            self._entries[token_hash] = (now + seconds, principal)
-            self._hashes.setdefault(principal.token_id, set()).add(token_hash)
-            if len(self._entries) > self._capacity:
-                self._evict(now)
+            self._put(token_hash, principal)
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _put(self, token_hash: str, principal: Principal) -> None:
+        seconds = _CACHE_SECONDS if principal.kind == "user" else _AGENT_CACHE_SECONDS
+        now = time.monotonic()
+        self._drop(token_hash)
+        self._entries[token_hash] = _Cached(now + seconds, principal, seconds)
+        self._hashes.setdefault(principal.token_id, set()).add(token_hash)
+        if len(self._entries) > self._capacity:
+            self._evict(now)
+
     def _drop(self, token_hash: str) -> None:
         entry = self._entries.pop(token_hash, None)
         if entry is not None:
-            hashes = self._hashes.get(entry[1].token_id)
+            hashes = self._hashes.get(entry.principal.token_id)
             if hashes is not None:
                 hashes.discard(token_hash)
                 if not hashes:
-                    del self._hashes[entry[1].token_id]
+                    del self._hashes[entry.principal.token_id]
 
     def _evict(self, now: float) -> None:
         """Down to nine tenths of the capacity (a scan per put at the brim would cost a scan per
         lookup): the expired first, then the oldest put."""
-        for token_hash in [key for key, (expires, _) in self._entries.items() if expires <= now]:
+        for token_hash in [key for key, entry in self._entries.items() if entry.expires <= now]:
             self._drop(token_hash)
         while len(self._entries) > self._capacity * 9 // 10:
             self._drop(next(iter(self._entries)))

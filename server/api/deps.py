@@ -4,6 +4,7 @@ sessions, the waiter, the task queue, and who is calling."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from phalanx.schemas import NUL_FREE
-from server.auth import AGENT_TOKEN_PREFIX, Principal, TokenCache, hash_token, lookup
+from server.auth import Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, Unauthorized
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
@@ -24,6 +25,7 @@ from server.wakeups import Enqueue, Waiter
 
 # Enough for a thousand agents' tokens leaving the cache every 30 s (~35 lookups a second).
 AUTH_THREADS = 2
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -46,12 +48,6 @@ class Services:
     # the cache waited past the agent's timeout, and the agent was declared lost.
     auth_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=AUTH_THREADS, thread_name_prefix="auth")
-    )
-    # The agents' own tokens have a lane of their own: behind the lookups of 7,000 attempts'
-    # credentials (a rank's first metric batch after a while), agents' heartbeats waited past
-    # their timeout.
-    agent_auth_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-auth")
     )
     # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
     # a person's request on the worker threads.
@@ -111,13 +107,36 @@ async def get_principal(request: Request) -> Principal:
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing bearer token: set PHALANX_TOKEN (or pass Authorization: Bearer <token>)")
     services = get_services(request)
-    principal = services.token_cache.get(hash_token(token))
+    principal = cached_principal(services, token)
     if principal is None:
-        threads = services.agent_auth_threads if token.startswith(AGENT_TOKEN_PREFIX) else services.auth_threads
-        principal = await asyncio.get_running_loop().run_in_executor(threads, authenticate, request, token)
+        principal = await asyncio.get_running_loop().run_in_executor(
+            services.auth_threads, authenticate, request, token
+        )
     if principal is None:
         raise Unauthorized("the bearer token is not valid: check PHALANX_TOKEN, or ask an admin for a new one")
     return principal
+
+
+def cached_principal(services: Services, token: str) -> Principal | None:
+    """Who `token` belongs to, if this process has it cached; None: look it up (`authenticate`).
+    A token in use is looked up again on the auth threads before it leaves the cache, and no
+    request waits for that (`TokenCache.get_refreshing`)."""
+    token_hash = hash_token(token)
+    principal, due = services.token_cache.get_refreshing(token_hash)
+    if due:
+        services.auth_threads.submit(_refresh, services, token, token_hash)
+    return principal
+
+
+def _refresh(services: Services, token: str, token_hash: str) -> None:
+    try:
+        with services.sessions() as session:
+            principal = lookup(session, token)
+    except Exception as exc:  # the entry stays until its time is up; its next use asks again
+        log.warning("could not look a cached token up again: %s", exc)
+        services.token_cache.refresh_failed(token_hash)
+        return
+    services.token_cache.refreshed(token_hash, principal)
 
 
 def authenticate(request: Request, token: str) -> Principal | None:

@@ -22,8 +22,7 @@ import re
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import access
-from server.api.deps import MAX_ROW_ID, Services
-from server.auth import hash_token
+from server.api.deps import MAX_ROW_ID, Services, cached_principal
 from server.errors import PhalanxError
 from server.security_headers import ALWAYS, CONTENT_SECURITY_POLICY
 
@@ -54,7 +53,7 @@ class HeartbeatFastPath:
                     return False
             elif (name == b"content-length" and value != b"0") or name == b"transfer-encoding":
                 return False  # a body: the app caps and ignores it
-        principal = self.services.token_cache.get(hash_token(token.decode("latin-1"))) if token else None
+        principal = cached_principal(self.services, token.decode("latin-1")) if token else None
         if principal is None:
             return False
         try:

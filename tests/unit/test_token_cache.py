@@ -58,3 +58,63 @@ def test_forgetting_a_token_drops_each_of_its_hashes() -> None:
     assert cache.get("before-registering-again") is None and cache.get("after-registering-again") is None
     assert cache.get("another-agent") == agent_principal(8)
     assert len(cache) == 1
+
+
+class Clock:
+    """`server.auth`'s time, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(auth, "time", fake)
+    return fake
+
+
+def test_a_token_in_use_is_looked_up_again_once_in_its_last_third(clock: Clock) -> None:
+    cache = TokenCache()
+    cache.put("agent", agent_principal(1))  # 30 s
+    assert cache.get_refreshing("agent") == (agent_principal(1), False)
+    clock.now += 21
+    assert cache.get_refreshing("agent") == (agent_principal(1), True), "due: the caller looks it up"
+    assert cache.get_refreshing("agent") == (agent_principal(1), False), "one lookup at a time"
+    cache.refreshed("agent", agent_principal(1))
+    clock.now += 21
+    assert cache.get("agent") == agent_principal(1), "renewed by the lookup"
+    assert cache.get_refreshing("agent", refresh=False) == (agent_principal(1), False)
+
+
+def test_a_lookup_that_no_longer_finds_the_token_drops_it(clock: Clock) -> None:
+    cache = TokenCache()
+    cache.put("agent", agent_principal(1))
+    clock.now += 25
+    assert cache.get_refreshing("agent")[1]
+    cache.refreshed("agent", None)  # registered again elsewhere: a new token
+    assert cache.get("agent") is None
+
+
+def test_a_token_forgotten_during_its_lookup_is_not_put_back(clock: Clock) -> None:
+    cache = TokenCache()
+    cache.put("agent", agent_principal(1))
+    clock.now += 25
+    assert cache.get_refreshing("agent")[1]
+    cache.forget(auth.agent_token_id(1))  # revoked while the lookup ran on the old rows
+    cache.refreshed("agent", agent_principal(1))
+    assert cache.get("agent") is None
+
+
+def test_a_failed_lookup_is_asked_for_again_and_the_entry_kept_until_its_time(clock: Clock) -> None:
+    cache = TokenCache()
+    cache.put("agent", agent_principal(1))
+    clock.now += 25
+    assert cache.get_refreshing("agent")[1]
+    cache.refresh_failed("agent")
+    assert cache.get_refreshing("agent") == (agent_principal(1), True)
+    clock.now += 5
+    assert cache.get_refreshing("agent") == (None, False), "expired: looked up on the request's own path"
