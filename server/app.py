@@ -21,6 +21,7 @@ from server import auth, dashboard, task_queue
 from server.api import agents, allocations, docs, jobs, ops, queue, scaling, studies, teams, tokens, usage
 from server.api.deps import Services, get_principal, install_services
 from server.api.heartbeat_path import HeartbeatFastPath
+from server.auth import TokenCache
 from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
 from server.db import check_schema, mark_server_start, session_factory, session_scope
@@ -29,6 +30,7 @@ from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
 from server.security_headers import SecurityHeadersMiddleware
 from server.settings import Settings
+from server.token_lookups import TokenLookups
 from server.wakeups import Enqueue, Publisher, Waiter, publish_after_commit
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
@@ -65,7 +67,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         await waiter.start()
         yield
         await waiter.stop()
-        services.auth_threads.shutdown(wait=False)
+        services.auth_thread.shutdown(wait=False)
         services.agent_threads.shutdown(wait=False)
 
     app = FastAPI(
@@ -88,6 +90,8 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     registry.register(ops.StateCollector(sessions))
     holds = HeldRequests(settings.max_held_requests_per_holder, settings.max_held_requests)
     registry.register(ops.HeldCollector(holds))
+    token_cache = TokenCache()
+    auth_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="auth")
     services = Services(
         settings=settings,
         sessions=sessions,
@@ -97,6 +101,9 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         prometheus=registry,
         holds=holds,
         heartbeats=HeartbeatBatcher(settings.database_url),
+        token_cache=token_cache,
+        token_lookups=TokenLookups(sessions, token_cache, auth_thread),
+        auth_thread=auth_thread,
         agent_threads=ThreadPoolExecutor(max_workers=settings.agent_threads, thread_name_prefix="agents"),
     )
     install_services(app, services)

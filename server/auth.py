@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -220,6 +221,10 @@ def _rank_principal(session: Session, token: str) -> Principal | None:
     stored = session.execute(select(Allocation.credential).where(Allocation.id == allocation_id)).scalar_one_or_none()
     if stored is None or not hmac.compare_digest(stored, credential):
         return None
+    return _rank_principal_of(allocation_id)
+
+
+def _rank_principal_of(allocation_id: int) -> Principal:
     return Principal(
         kind="rank",
         token_id=-allocation_id,
@@ -228,6 +233,38 @@ def _rank_principal(session: Session, token: str) -> Principal | None:
         is_admin=False,
         allocation_id=allocation_id,
     )
+
+
+def lookup_many(session: Session, tokens: Collection[str]) -> dict[str, Principal | None]:
+    """`lookup` of every token, agents' tokens and attempts' credentials one statement per kind
+    however many there are (the lookups of a thousand agents and seven thousand attempts)."""
+    found: dict[str, Principal | None] = {}
+    agents: dict[str, tuple[int, str]] = {}
+    ranks: dict[str, tuple[int, str]] = {}
+    for token in tokens:
+        if token.startswith(AGENT_TOKEN_PREFIX) and (parts := _split_named_token(token, AGENT_TOKEN_PREFIX)):
+            agents[token] = parts
+        elif token.startswith(RANK_TOKEN_PREFIX) and (parts := _split_named_token(token, RANK_TOKEN_PREFIX)):
+            ranks[token] = parts
+        else:
+            found[token] = lookup(session, token)
+    if agents:
+        ids = {agent_id for agent_id, _ in agents.values()}
+        hashes = dict(session.execute(select(Agent.id, Agent.credential_hash).where(Agent.id.in_(ids))).all())
+        for token, (agent_id, secret) in agents.items():
+            stored = hashes.get(agent_id)
+            valid = stored is not None and hmac.compare_digest(stored, hash_token(secret))
+            found[token] = agent_principal(agent_id) if valid else None
+    if ranks:
+        ids = {allocation_id for allocation_id, _ in ranks.values()}
+        credentials = dict(
+            session.execute(select(Allocation.id, Allocation.credential).where(Allocation.id.in_(ids))).all()
+        )
+        for token, (allocation_id, credential) in ranks.items():
+            stored = credentials.get(allocation_id)
+            valid = stored is not None and hmac.compare_digest(stored, credential)
+            found[token] = _rank_principal_of(allocation_id) if valid else None
+    return found
 
 
 def lookup(session: Session, token: str) -> Principal | None:

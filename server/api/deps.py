@@ -4,7 +4,6 @@ sessions, the waiter, the task queue, and who is calling."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,11 +20,9 @@ from server.errors import Forbidden, Unauthorized
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
 from server.settings import Settings
+from server.token_lookups import TokenLookups
 from server.wakeups import Enqueue, Waiter
 
-# Enough for a thousand agents' tokens leaving the cache every 30 s (~35 lookups a second).
-AUTH_THREADS = 2
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -42,13 +39,13 @@ class Services:
     prometheus: CollectorRegistry
     holds: HeldRequests  # streams and long-polls held open, capped
     heartbeats: HeartbeatBatcher  # agents' heartbeats, written in batches
-    token_cache: TokenCache = field(default_factory=TokenCache)
-    # Token lookups run on threads of their own: behind the routes' worker threads, all of them
-    # waiting on row locks while attempts end by the hundred, a heartbeat whose token had just left
-    # the cache waited past the agent's timeout, and the agent was declared lost.
-    auth_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=AUTH_THREADS, thread_name_prefix="auth")
-    )
+    token_cache: TokenCache
+    # Token lookups, in groups, on a thread of their own (`auth_thread`): behind the routes' worker
+    # threads, all of them waiting on row locks while attempts end by the hundred, a heartbeat
+    # whose token had just left the cache waited past the agent's timeout, and the agent was
+    # declared lost.
+    token_lookups: TokenLookups
+    auth_thread: ThreadPoolExecutor
     # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
     # a person's request on the worker threads.
     agent_threads: ThreadPoolExecutor = field(
@@ -109,34 +106,20 @@ async def get_principal(request: Request) -> Principal:
     services = get_services(request)
     principal = cached_principal(services, token)
     if principal is None:
-        principal = await asyncio.get_running_loop().run_in_executor(
-            services.auth_threads, authenticate, request, token
-        )
+        principal = await services.token_lookups.principal(token)
     if principal is None:
         raise Unauthorized("the bearer token is not valid: check PHALANX_TOKEN, or ask an admin for a new one")
     return principal
 
 
 def cached_principal(services: Services, token: str) -> Principal | None:
-    """Who `token` belongs to, if this process has it cached; None: look it up (`authenticate`).
-    A token in use is looked up again on the auth threads before it leaves the cache, and no
-    request waits for that (`TokenCache.get_refreshing`)."""
-    token_hash = hash_token(token)
-    principal, due = services.token_cache.get_refreshing(token_hash)
+    """Who `token` belongs to, if this process has it cached; None: look it up
+    (`Services.token_lookups`). A token in use is looked up again before it leaves the cache, and
+    no request waits for that (`TokenCache.get_refreshing`)."""
+    principal, due = services.token_cache.get_refreshing(hash_token(token))
     if due:
-        services.auth_threads.submit(_refresh, services, token, token_hash)
+        services.token_lookups.refresh(token)
     return principal
-
-
-def _refresh(services: Services, token: str, token_hash: str) -> None:
-    try:
-        with services.sessions() as session:
-            principal = lookup(session, token)
-    except Exception as exc:  # the entry stays until its time is up; its next use asks again
-        log.warning("could not look a cached token up again: %s", exc)
-        services.token_cache.refresh_failed(token_hash)
-        return
-    services.token_cache.refreshed(token_hash, principal)
 
 
 def authenticate(request: Request, token: str) -> Principal | None:
