@@ -9,7 +9,6 @@ models (lazily): `server.tuning` builds on it, never the other way round.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, inspect, select
-from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -44,39 +42,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         # down (with 40 threads on 10 connections, a third of the server's time at 1,000 agents).
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)
-    engine = create_engine(url, **kwargs)
-    ping_idle_connections(engine)
-    return engine
-
-
-# A connection back in the pool for less than this is handed out without a ping.
-IDLE_BEFORE_PING_S = 1.0
-
-
-def ping_idle_connections(engine: Engine) -> None:
-    """`pool_pre_ping`, for the connections that sat idle: a database restarted meanwhile (or a
-    dropped connection) is noticed at checkout, and the pool opens a new one. A ping at every
-    checkout was a round trip in every transaction, four in a token lookup, on a database that a
-    thousand agents keep busy (`bench/bench_scale.py`); a connection used within the last second
-    either works or failed in that second, and a failure invalidates the pool's older connections.
-    """
-
-    @event.listens_for(engine, "connect")
-    def _connected(_dbapi_connection: Any, record: Any) -> None:
-        record.info["returned_at"] = time.monotonic()
-
-    @event.listens_for(engine, "checkin")
-    def _returned(_dbapi_connection: Any, record: Any) -> None:
-        record.info["returned_at"] = time.monotonic()
-
-    @event.listens_for(engine, "checkout")
-    def _ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
-        if time.monotonic() - record.info.get("returned_at", float("-inf")) < IDLE_BEFORE_PING_S:
-            return
-        try:
-            engine.dialect.do_ping(dbapi_connection)
-        except Exception as exc:  # the pool discards it and checks out another (three times)
-            raise DisconnectionError(f"a pooled connection is gone: {exc}") from exc
+    return create_engine(url, pool_pre_ping=True, **kwargs)
 
 
 def sqlite_pragmas(engine: Engine) -> None:
