@@ -69,7 +69,6 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         await waiter.stop()
         services.auth_thread.shutdown(wait=False)
         services.agent_threads.shutdown(wait=False)
-        services.rank_threads.shutdown(wait=False)
 
     app = FastAPI(
         title="Phalanx",
@@ -106,7 +105,6 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         token_lookups=TokenLookups(sessions, token_cache, auth_thread),
         auth_thread=auth_thread,
         agent_threads=ThreadPoolExecutor(max_workers=settings.agent_threads, thread_name_prefix="agents"),
-        rank_threads=ThreadPoolExecutor(max_workers=settings.rank_threads, thread_name_prefix="ranks"),
     )
     install_services(app, services)
     install_handlers(app, pages=dashboard_render.error_page)

@@ -100,10 +100,6 @@ class Settings(BaseSettings):
     # metrics): at a cluster's fill a thousand work reads and the nodes' reports queued for the
     # worker threads, and a person's jobs list waited 10-26 s behind them (bench/bench_scale.py).
     agent_threads: int = Field(4, ge=1, le=256)
-    # Threads of their own for the ranks' metric batches: 7,000 attempts' first batches, a minute
-    # into a cluster's fill, held the agents' threads, and the agents' work reads and node reports
-    # waited behind them past their clients' timeouts (bench/bench_scale.py).
-    rank_threads: int = Field(2, ge=1, le=256)
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
     # on every other long-poll's wait).
     work_poll_seconds: float = Field(20.0, gt=0, le=300)

@@ -18,7 +18,7 @@ from server.api.deps import (
     ServicesDep,
     SessionDep,
     SettingsDep,
-    in_rank_thread,
+    in_agent_thread,
 )
 from server.api.uploads import invalid_batch
 from server.errors import Conflict, NotFound, Unprocessable
@@ -84,7 +84,7 @@ async def post_metrics(
                     note_task(session, ADVANCE_STUDY_TASK, study_id)
             return order
 
-    order = await in_rank_thread(services, store)
+    order = await in_agent_thread(services, store)
     if order is None:
         return Response(status_code=204)
     answer = schemas.MetricBatchAnswer(profile=order)

@@ -46,28 +46,18 @@ class Services:
     # declared lost.
     token_lookups: TokenLookups
     auth_thread: ThreadPoolExecutor
-    # The agents' calls run on threads of their own (`in_agent_thread`), never ahead of a person's
-    # request on the worker threads.
+    # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
+    # a person's request on the worker threads.
     agent_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="agents")
-    )
-    # The ranks' metric batches on threads of their own (`in_rank_thread`): the agents' calls that
-    # start and end nodes never wait behind them.
-    rank_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="ranks")
     )
     # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
     study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
 
 
 async def in_agent_thread(services: Services, work: Callable[[], T]) -> T:
-    """`work` on the agents' threads (`Services.agent_threads`): a call of an agent."""
+    """`work` on the agents' threads (`Services.agent_threads`): a call of an agent or a rank."""
     return await asyncio.get_running_loop().run_in_executor(services.agent_threads, work)
-
-
-async def in_rank_thread(services: Services, work: Callable[[], T]) -> T:
-    """`work` on the ranks' threads (`Services.rank_threads`): a rank's metric batch."""
-    return await asyncio.get_running_loop().run_in_executor(services.rank_threads, work)
 
 
 def install_services(app: FastAPI, services: Services) -> None:
