@@ -221,10 +221,11 @@ def _rank_principal(session: Session, token: str) -> Principal | None:
     stored = session.execute(select(Allocation.credential).where(Allocation.id == allocation_id)).scalar_one_or_none()
     if stored is None or not hmac.compare_digest(stored, credential):
         return None
-    return _rank_principal_of(allocation_id)
+    return rank_principal(allocation_id)
 
 
-def _rank_principal_of(allocation_id: int) -> Principal:
+def rank_principal(allocation_id: int) -> Principal:
+    """Who an attempt's credential makes its caller."""
     return Principal(
         kind="rank",
         token_id=-allocation_id,
@@ -263,7 +264,7 @@ def lookup_many(session: Session, tokens: Collection[str]) -> dict[str, Principa
         for token, (allocation_id, credential) in ranks.items():
             stored = credentials.get(allocation_id)
             valid = stored is not None and hmac.compare_digest(stored, credential)
-            found[token] = _rank_principal_of(allocation_id) if valid else None
+            found[token] = rank_principal(allocation_id) if valid else None
     return found
 
 

@@ -6,18 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server import auth
-from server.auth import MAX_CACHED_TOKENS, Principal, TokenCache, agent_principal
-
-
-def rank(allocation_id: int) -> Principal:
-    return Principal(
-        kind="rank",
-        token_id=-allocation_id,
-        name=f"allocation {allocation_id}",
-        user_id=None,
-        is_admin=False,
-        allocation_id=allocation_id,
-    )
+from server.auth import MAX_CACHED_TOKENS, Principal, TokenCache, agent_principal, rank_principal
 
 
 def user(token_id: int) -> Principal:
@@ -30,9 +19,9 @@ def test_a_full_cache_keeps_its_newest_tokens() -> None:
     for i, token_hash in enumerate(agents, start=1):
         cache.put(token_hash, agent_principal(i))
     for allocation_id in range(1, MAX_CACHED_TOKENS + 1):  # an attempt's credential each
-        cache.put(f"rank-{allocation_id}", rank(allocation_id))
+        cache.put(f"rank-{allocation_id}", rank_principal(allocation_id))
     assert len(cache) <= MAX_CACHED_TOKENS
-    assert cache.get(f"rank-{MAX_CACHED_TOKENS}") == rank(MAX_CACHED_TOKENS)
+    assert cache.get(f"rank-{MAX_CACHED_TOKENS}") == rank_principal(MAX_CACHED_TOKENS)
     assert cache.get(f"rank-{MAX_CACHED_TOKENS // 2}") is not None, "more than the oldest were dropped"
     assert cache.get("agent-1") is None, "the oldest go first"
 
@@ -45,7 +34,7 @@ def test_the_expired_go_before_the_oldest(monkeypatch: pytest.MonkeyPatch) -> No
         cache.put(f"expired-{token_id}", user(token_id))
     monkeypatch.undo()
     for allocation_id in range(1, 6):
-        cache.put(f"rank-{allocation_id}", rank(allocation_id))
+        cache.put(f"rank-{allocation_id}", rank_principal(allocation_id))
     assert len(cache) == 6 and cache.get("oldest") == agent_principal(1)
 
 
@@ -90,30 +79,30 @@ def test_a_token_in_use_is_looked_up_again_once_in_its_last_third(clock: Clock) 
     assert cache.get_refreshing("agent", refresh=False) == (agent_principal(1), False)
 
 
-def test_a_lookup_that_no_longer_finds_the_token_drops_it(clock: Clock) -> None:
+def due_for_its_lookup(clock: Clock) -> TokenCache:
+    """A cache whose agent token "agent" (agent 1) was just handed out for its lookup."""
     cache = TokenCache()
     cache.put("agent", agent_principal(1))
     clock.now += 25
-    assert cache.get_refreshing("agent")[1]
+    assert cache.get_refreshing("agent") == (agent_principal(1), True)
+    return cache
+
+
+def test_a_lookup_that_no_longer_finds_the_token_drops_it(clock: Clock) -> None:
+    cache = due_for_its_lookup(clock)
     cache.refreshed("agent", None)  # registered again elsewhere: a new token
     assert cache.get("agent") is None
 
 
 def test_a_token_forgotten_during_its_lookup_is_not_put_back(clock: Clock) -> None:
-    cache = TokenCache()
-    cache.put("agent", agent_principal(1))
-    clock.now += 25
-    assert cache.get_refreshing("agent")[1]
+    cache = due_for_its_lookup(clock)
     cache.forget(auth.agent_token_id(1))  # revoked while the lookup ran on the old rows
     cache.refreshed("agent", agent_principal(1))
     assert cache.get("agent") is None
 
 
 def test_a_failed_lookup_is_asked_for_again_and_the_entry_kept_until_its_time(clock: Clock) -> None:
-    cache = TokenCache()
-    cache.put("agent", agent_principal(1))
-    clock.now += 25
-    assert cache.get_refreshing("agent")[1]
+    cache = due_for_its_lookup(clock)
     cache.refresh_failed("agent")
     assert cache.get_refreshing("agent") == (agent_principal(1), True)
     clock.now += 5
