@@ -34,7 +34,7 @@ _CACHE_SECONDS = 5.0
 # registers it applies at once; other replicas may accept the old one this long. 5 s would cost
 # a thousand agents 200 lookups a second. An attempt's credential never changes, and every route
 # a rank may call refuses an ended attempt by its allocation's state, not by its credential.
-_AGENT_CACHE_SECONDS = 30.0
+_AGENT_AND_RANK_CACHE_SECONDS = 30.0
 # The most tokens a process keeps. Over it, the expired go first, then the oldest: every attempt
 # brings a credential, and a cache emptied whole when it filled (7,000 running attempts and a
 # thousand agents) sent every agent's next heartbeat to a lookup at once, behind the ranks'; the
@@ -131,7 +131,7 @@ class TokenCache:
         return len(self._entries)
 
     def _put(self, token_hash: str, principal: Principal) -> None:
-        seconds = _CACHE_SECONDS if principal.kind == "user" else _AGENT_CACHE_SECONDS
+        seconds = _CACHE_SECONDS if principal.kind == "user" else _AGENT_AND_RANK_CACHE_SECONDS
         now = time.monotonic()
         self._drop(token_hash)
         self._entries[token_hash] = _Cached(now + seconds, principal, seconds)
