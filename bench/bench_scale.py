@@ -57,6 +57,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -159,12 +160,13 @@ class Tally:
 class Api:
     """One keep-alive connection pool for every simulated client; each call is timed per route."""
 
-    def __init__(self, url: str, tally: Tally) -> None:
+    def __init__(self, url: str, tally: Tally, connections: int = 0) -> None:
+        """`connections`: at most this many at once (0: as many as there are calls)."""
         self.url = url
         self.tally = tally
         self.http = aiohttp.ClientSession(
             # idle connections closed before uvicorn's 5 s keep-alive closes them under a request
-            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=4.0),
+            connector=aiohttp.TCPConnector(limit=connections, force_close=False, keepalive_timeout=4.0),
             timeout=aiohttp.ClientTimeout(total=WORK_WAIT_S + 30),
         )
 
@@ -431,7 +433,7 @@ class Probe:
         self.newest_job = 1
 
     async def run(self) -> None:
-        self.api, self.beats = Api(self.url, self.tally), Api(self.beats_url, self.tally)
+        self.api = Api(self.url, self.tally)
         tasks = [asyncio.create_task(self.loop_lag())]
         while True:
             command = await asyncio.get_running_loop().run_in_executor(None, self.commands.recv)
@@ -447,7 +449,6 @@ class Probe:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.api.close()
-        await self.beats.close()
         tally = self.tally
         answer = (dict(tally.latencies), dict(tally.ended), dict(tally.statuses), dict(self.errors), len(self.lost))
         self.commands.send(answer)
@@ -456,15 +457,22 @@ class Probe:
         self.errors[f"{where}: {type(exc).__name__}"] += 1
 
     async def heartbeats(self, agent_id: int, token: str) -> None:
-        while True:
-            began = time.monotonic()
-            try:
-                await self.beats.call("heartbeat", "POST", f"/agents/{agent_id}/heartbeat", token)
-            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
-                self.note_error("heartbeat", exc)  # a 409 (declared lost) is counted, not re-registered
-                if isinstance(exc, ApiFailed) and exc.status == 409:
-                    self.lost.add(agent_id)
-            await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
+        # A connection of its own, kept alive between beats, as a real agent's heartbeat thread
+        # keeps one: drawn from a pool that every agent shares, a beat opened a new connection
+        # whenever the others' were busy, and waited with it in the server's listen queue.
+        beats = Api(self.beats_url, self.tally, connections=1)
+        try:
+            while True:
+                began = time.monotonic()
+                try:
+                    await beats.call("heartbeat", "POST", f"/agents/{agent_id}/heartbeat", token)
+                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                    self.note_error("heartbeat", exc)  # a 409 (declared lost) is counted, not re-registered
+                    if isinstance(exc, ApiFailed) and exc.status == 409:
+                        self.lost.add(agent_id)
+                await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
+        finally:
+            await beats.close()
 
     async def reader(self) -> None:
         tick = 0
@@ -666,10 +674,12 @@ class Simulation:
             "slots": capacity,
         }
 
-    async def storm(self) -> float:
+    async def storm(self) -> tuple[float, int]:
         """Seconds from the fill's end until every node the fill placed has started (its agent
-        reported it), at most `STORM_TIMEOUT_S`: the node-start storm of a cluster filled at once."""
+        reported it), at most `STORM_TIMEOUT_S`: the node-start storm of a cluster filled at once;
+        and how many of its nodes had not started by then."""
         began = time.monotonic()
+        unstarted = 0
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
             row = await (await conn.execute("SELECT coalesce(max(id), 0) FROM allocations")).fetchone()
             last_placed = int(row[0]) if row else 0
@@ -681,10 +691,11 @@ class Simulation:
                         (last_placed,),
                     )
                 ).fetchone()
-                if row is not None and row[0] == 0:
+                unstarted = int(row[0]) if row else 0
+                if unstarted == 0:
                     break
                 await asyncio.sleep(0.5)
-        return time.monotonic() - began
+        return time.monotonic() - began, unstarted
 
     async def keep_backlog(self, stop: asyncio.Event) -> None:
         """Top the queue up to `--jobs` queued jobs every few seconds."""
@@ -712,10 +723,15 @@ class Simulation:
             calls = {k: v - calls_before.get(k, 0) for k, v in self.tally.calls.items()}
             calls_before = dict(self.tally.calls)
             log(f"calls in the last {PROGRESS_S:.0f} s: {calls}")
-            log(
+            beats = (  # none when every agent heartbeats from the probe's process, which times them
                 f"heartbeats {len(latencies)} (p50 {percentile(latencies, 0.5) or 0:.0f} ms, "
-                f"p99 {percentile(latencies, 0.99) or 0:.0f} ms); {active} agents active; {running} attempts "
-                f"running; {self.submitted} jobs submitted; errors {dict(self.errors)}"
+                f"p99 {percentile(latencies, 0.99) or 0:.0f} ms); "
+                if latencies
+                else ""
+            )
+            log(
+                f"{beats}{active} agents active; {running} attempts running; {self.submitted} jobs submitted; "
+                f"errors {dict(self.errors)}"
             )
 
     async def watch_rss(self, stop: asyncio.Event) -> None:
@@ -755,8 +771,11 @@ class Simulation:
         fill = await self.fill()
         log(f"fill: {fill}")
         self.spawn(self.keep_backlog(stop))
-        storm_s = await self.storm()
-        log(f"every node the fill placed started {storm_s:.1f} s after the fill")
+        storm_s, unstarted = await self.storm()
+        if unstarted:
+            log(f"{unstarted} nodes the fill placed had not started {storm_s:.1f} s after the fill")
+        else:
+            log(f"every node the fill placed started {storm_s:.1f} s after the fill")
         storm_ended = time.monotonic()
         cpu_before = self.cpu_seconds()
         commits_before, rows_before = await self.database_writes()
@@ -804,6 +823,8 @@ class Simulation:
             # heartbeats for (`--probed-agents` fewer than all) includes its loop's lag
             "heartbeat_p50_ms": probed.p("heartbeat", 0.5),
             "heartbeat_p99_ms": probed.p("heartbeat", 0.99),
+            # one beat later than the server's timeout (10 s) and its agent is declared lost
+            "heartbeat_max_ms": probed.p("heartbeat", 1.0),
             "heartbeat_p99_ms_in_simulator": self.tally.p("heartbeat", 0.99),
             # how late each process's event loop ran a 50 ms timer: part of every latency it times
             "simulator_loop_lag_p99_ms": self.tally.p("simulator loop lag", 0.99),
@@ -825,6 +846,7 @@ class Simulation:
             },
             "server_rss_mb": round(self.rss_mb, 1),
             "storm_s": round(storm_s, 1),
+            "storm_nodes_unstarted": unstarted,  # nodes of the fill not started when the storm was cut off
             "steady_s": round(steady_s, 1),
             "db_commits_per_s": round((commits_after - commits_before) / steady_s, 1),
             "db_rows_written_per_s": round((rows_after - rows_before) / steady_s, 1),
@@ -896,6 +918,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 group.check()
             finally:
                 group.close()
+                if args.keep_logs:
+                    shutil.copytree(group.logs, args.keep_logs, dirs_exist_ok=True)
     result["goals"] = {k: f"{op} {goal:g}" for k, (op, goal) in GOALS.items()}
     result["met"] = met(result)
     return result
@@ -930,6 +954,9 @@ def main() -> None:
         default=1_000_000,
         help="of the agents, how many heartbeat from the probe's process (default: all, as each real agent "
         "heartbeats from a thread of its own); the others from the simulator's loop, behind their nodes' work",
+    )
+    parser.add_argument(
+        "--keep-logs", type=Path, default=None, help="copy the stack's logs into this folder at the end"
     )
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout (it is always the last)")
     args = parser.parse_args()

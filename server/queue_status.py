@@ -14,23 +14,36 @@ server's core from heartbeats). Only a read that shows a job newer than the kept
 own page waits for a computation; an old snapshot is shown while a thread of its own computes the
 next (at 10,000 queued and 7,000 running jobs a computation is ~1 s of the server's core, and
 every fifth second's read waited for it).
+
+A kept snapshot is computed in a process of its own (`SnapshotProcess`), not on a thread of the
+server's: at 10,000 queued jobs a computation held the server's one interpreter lock for a second
+or two of every five, its event loop stopped accepting connections meanwhile, and agents whose
+heartbeats waited in the listen queue past the timeout were declared lost (`bench/bench_scale.py`).
+The server only unpickles the result. An in-memory SQLite database, which no other process can
+open, is computed here.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
 from collections.abc import Collection
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import lru_cache
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import URL, Engine, func, select
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from phalanx.schemas import AgentState, JobState
 from server import agents as agent_rules
 from server import sharing
+from server.db import make_engine
 from server.forecast import estimate_starts
 from server.models import Agent, Allocation, AllocationNode, Job
 from server.placement import place
@@ -159,11 +172,54 @@ def queue_snapshot(
 
 def _take(session: Session, settings: Settings) -> _Taken:
     at = _clock()
+    if SnapshotProcess.serves(session.get_bind().engine.url):
+        return _Taken(SnapshotProcess.compute(settings), at)
     return _Taken(compute_queue_snapshot(session, settings), at)
 
 
+class SnapshotProcess:
+    """One process per server process that computes its kept snapshots, started on first use
+    (spawned: the server's threads and event loop must not be forked). Each computation opens a
+    connection of its own and closes it, so the process holds none between them."""
+
+    enabled = True  # tests that count computations in this process turn it off
+    _pool: ProcessPoolExecutor | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def serves(cls, url: URL) -> bool:
+        return cls.enabled and not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"))
+
+    @classmethod
+    def compute(cls, settings: Settings) -> QueueSnapshot:
+        with cls._lock:
+            if cls._pool is None:
+                cls._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            pool = cls._pool
+        try:
+            return pool.submit(_compute_in_snapshot_process, settings).result()
+        except BrokenProcessPool:  # it died (killed, out of memory): the next computation starts another
+            with cls._lock:
+                if cls._pool is pool:
+                    cls._pool = None
+            pool.shutdown(wait=False)
+            raise
+
+
+@lru_cache(maxsize=8)
+def _snapshot_engine(database_url: str) -> Engine:
+    # NullPool: no connection kept between computations (a database is never held open by it)
+    return make_engine(database_url, poolclass=NullPool)
+
+
+def _compute_in_snapshot_process(settings: Settings) -> QueueSnapshot:
+    with Session(_snapshot_engine(settings.database_url)) as session, session.begin():
+        return compute_queue_snapshot(session, settings)
+
+
 def _replace_in_background(kept: _Kept, engine: Engine, settings: Settings) -> None:
-    """Compute the next snapshot in a thread of its own, unless one is being computed already."""
+    """Compute the next snapshot in a thread of its own (which waits for `SnapshotProcess`),
+    unless one is being computed already."""
     if not kept.lock.acquire(blocking=False):
         return
 

@@ -1,15 +1,19 @@
 """A queue snapshot kept for `queue_snapshot_seconds`: the reads within that time share it (no
 placement pass of their own), a job submitted since gets a fresh one on its own page (a list shows
-it without a place until then), and an old one is shown while a thread replaces it."""
+it without a place until then), and an old one is shown while a thread replaces it. The kept
+snapshots are computed in a process of their own (`SnapshotProcess`); the tests that count
+computations compute them in this one."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import make_url
 
 from server import queue_status
 from server.app import create_app
@@ -46,6 +50,7 @@ def computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return snapshot
 
     monkeypatch.setattr(queue_status, "compute_queue_snapshot", counted)
+    monkeypatch.setattr(queue_status.SnapshotProcess, "enabled", False)  # counted here, not there
     queue_status._kept.clear()
     return seen
 
@@ -172,3 +177,29 @@ def test_a_list_shows_the_old_snapshot_while_a_thread_computes_the_next(
     release.set()
     assert job(client, second)["queue"]["position"] == 2  # waited for the thread's snapshot, not its own
     assert computed == [1, 2], "the job pages computed nothing of their own"
+
+
+def test_a_kept_snapshot_is_computed_in_a_process_of_its_own(client: TestClient, kept_settings: Settings) -> None:
+    waiting = one_running_one_waiting(client, kept_settings)
+    second = submit(client, USER, "second")
+    queue_status._kept.clear()
+    assert [job(client, i)["queue"]["position"] for i in (waiting, second)] == [1, 2]
+    pool = queue_status.SnapshotProcess._pool
+    assert pool is not None, "the snapshot was computed in the server's own process"
+    assert all(process.pid != os.getpid() for process in pool._processes.values())
+    with session_scope(kept_settings.database_url) as session:
+        here = queue_status.compute_queue_snapshot(session, kept_settings)
+        there = queue_status.queue_snapshot(session, kept_settings)
+    assert (there.order, there.positions, there.reasons, there.queued) == (
+        here.order,
+        here.positions,
+        here.reasons,
+        here.queued,
+    )
+
+
+def test_an_in_memory_database_is_computed_in_the_servers_process() -> None:
+    assert not queue_status.SnapshotProcess.serves(make_url("sqlite://"))
+    assert not queue_status.SnapshotProcess.serves(make_url("sqlite:///:memory:"))
+    assert queue_status.SnapshotProcess.serves(make_url("sqlite:////var/phalanx/phalanx.db"))
+    assert queue_status.SnapshotProcess.serves(make_url("postgresql+psycopg://db/phalanx"))
