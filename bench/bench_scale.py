@@ -64,9 +64,10 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,9 +89,11 @@ from bench._common import (
     postgres_env,
     start_server,
 )
-from phalanx._retry import backoff_delay
+from phalanx._retry import backoff_delay, is_retryable_status
 from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
 from stack.supervisor import free_port
+
+T = TypeVar("T")
 
 API = "/api/v1"
 TEAM = "scale"
@@ -211,6 +214,23 @@ class ApiFailed(RuntimeError):
         self.status = status
 
 
+async def reliably(call: Callable[[], Awaitable[T]], note: Callable[[BaseException], None]) -> T:
+    """`call` until it is answered, or refused for a reason no retry fixes (a 4xx but 408, 425 and
+    429), as the agent's and the ranks' clients send a report, a log batch or a metric batch again
+    (`phalanx._transport`): a simulated node that gave up on a call the server was too busy to
+    answer left its attempt running on the server for ever."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except (TimeoutError, aiohttp.ClientError, ApiFailed) as exc:
+            if isinstance(exc, ApiFailed) and not is_retryable_status(exc.status):
+                raise
+            note(exc)
+            attempt += 1
+            await asyncio.sleep(backoff_delay(attempt))
+
+
 @dataclass
 class Node:
     """One node of one allocation on a simulated agent."""
@@ -286,10 +306,13 @@ class SimulatedAgent:
                 self.reports_waiting.clear()
             body = {"reports": [report for report, _ in taken]}
             try:
-                answer = await self.api.call(
-                    "reports", "POST", f"/agents/{self.agent_id}/reports", self.token, json=body
+                answer = await reliably(
+                    partial(
+                        self.api.call, "reports", "POST", f"/agents/{self.agent_id}/reports", self.token, json=body
+                    ),
+                    partial(self.sim.note_error, "reports"),
                 )
-            except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+            except ApiFailed as exc:
                 for _, answered in taken:
                     answered.set_exception(exc)
                 continue
@@ -307,8 +330,11 @@ class SimulatedAgent:
             for at in range(0, len(batches), MAX_REPORTS_PER_CALL):
                 body = {"batches": batches[at : at + MAX_REPORTS_PER_CALL]}
                 try:
-                    await self.api.call("logs", "POST", f"/agents/{self.agent_id}/logs", self.token, json=body)
-                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                    await reliably(
+                        partial(self.api.call, "logs", "POST", f"/agents/{self.agent_id}/logs", self.token, json=body),
+                        partial(self.sim.note_error, "logs"),
+                    )
+                except ApiFailed as exc:
                     self.sim.note_error("logs", exc)
 
     async def work(self) -> None:
@@ -396,13 +422,17 @@ class SimulatedAgent:
             step += 10
             now = time.time()
             records = [{"rank": r, "step": step, "time": now, "values": {"loss": 1.0 / step}} for r in ranks]
-            await self.api.call(
-                "metrics",
-                "POST",
-                f"/allocations/{a['allocation_id']}/metrics",
-                credential,
-                json={"records": records},
-                expect=(200, 204, 409),
+            await reliably(
+                partial(
+                    self.api.call,
+                    "metrics",
+                    "POST",
+                    f"/allocations/{a['allocation_id']}/metrics",
+                    credential,
+                    json={"records": records},
+                    expect=(200, 204, 409),
+                ),
+                partial(self.sim.note_error, "metrics"),
             )
 
 

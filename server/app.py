@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from server import auth, dashboard, task_queue
 from server.api import agents, allocations, docs, jobs, ops, queue, scaling, studies, teams, tokens, usage
+from server.api.admission import NodeCallAdmission
 from server.api.deps import Services, get_principal, install_services
 from server.api.heartbeat_path import HeartbeatFastPath
 from server.auth import TokenCache
@@ -28,6 +29,7 @@ from server.db import check_schema, mark_server_start, session_factory, session_
 from server.errors import install_handlers
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
+from server.queue_status import SnapshotProcess
 from server.security_headers import SecurityHeadersMiddleware
 from server.settings import Settings
 from server.token_lookups import TokenLookups
@@ -65,6 +67,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         await waiter.start()
+        SnapshotProcess.warm(settings)
         yield
         await waiter.stop()
         services.auth_thread.shutdown(wait=False)
@@ -112,6 +115,8 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     # outside it, reads none)
     app.add_middleware(BodyCapMiddleware, cap=caps_for(settings))
     app.add_middleware(SecurityHeadersMiddleware)
+    # before any of the app's work: a refused call must cost next to nothing (see its module)
+    app.add_middleware(NodeCallAdmission, limit=settings.max_node_calls_in_flight)
     app.add_middleware(HeartbeatFastPath, services=services)  # outermost: see its module
 
     @app.exception_handler(Exception)

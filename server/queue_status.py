@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
 
-from sqlalchemy import URL, Engine, func, select
+from sqlalchemy import URL, Engine, func, make_url, select
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
@@ -178,9 +178,11 @@ def _take(session: Session, settings: Settings) -> _Taken:
 
 
 class SnapshotProcess:
-    """One process per server process that computes its kept snapshots, started on first use
-    (spawned: the server's threads and event loop must not be forked). Each computation opens a
-    connection of its own and closes it, so the process holds none between them."""
+    """One process per server process that computes its kept snapshots, started when the server
+    starts (`warm`: spawning it imports the server's modules, seconds that the first job page
+    would otherwise wait) or on first use; spawned, since the server's threads and event loop must
+    not be forked. Each computation opens a connection of its own and closes it, so the process
+    holds none between them."""
 
     enabled = True  # tests that count computations in this process turn it off
     _pool: ProcessPoolExecutor | None = None
@@ -191,11 +193,21 @@ class SnapshotProcess:
         return cls.enabled and not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"))
 
     @classmethod
-    def compute(cls, settings: Settings) -> QueueSnapshot:
+    def warm(cls, settings: Settings) -> None:
+        """Start the process now, without waiting for it, if this server's snapshots will need it."""
+        if settings.queue_snapshot_seconds > 0 and cls.serves(make_url(settings.database_url)):
+            cls._started().submit(int)
+
+    @classmethod
+    def _started(cls) -> ProcessPoolExecutor:
         with cls._lock:
             if cls._pool is None:
                 cls._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-            pool = cls._pool
+            return cls._pool
+
+    @classmethod
+    def compute(cls, settings: Settings) -> QueueSnapshot:
+        pool = cls._started()
         try:
             return pool.submit(_compute_in_snapshot_process, settings).result()
         except BrokenProcessPool:  # it died (killed, out of memory): the next computation starts another

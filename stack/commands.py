@@ -24,6 +24,8 @@ from stack.embedded import EmbeddedStack, StackError, example_job_file
 
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 
+LISTEN_BACKLOG = 65535  # the kernel caps it at net.core.somaxconn (4,096 on most Linux today)
+
 
 def _debuggable() -> None:
     """`kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a daemon hangs."""
@@ -54,7 +56,18 @@ def server(
     freeze_startup_heap()
     _debuggable()
     log_level = os.environ.get("PHALANX_LOG_LEVEL", "warning").lower()
-    uvicorn.run(application, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    # A listen queue as long as the kernel allows (net.core.somaxconn caps it): a thousand agents
+    # and their nodes connect at once when a cluster fills or the server restarts, and a connection
+    # the full queue drops is tried again only after 1, 3, 7, 15 s, past the agents' heartbeat
+    # timeout (`bench/bench_scale.py`: uvicorn's 2,048 overflowed hundreds of thousands of times).
+    uvicorn.run(
+        application,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=3,
+        backlog=LISTEN_BACKLOG,
+    )
 
 
 def scheduler(

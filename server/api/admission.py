@@ -1,0 +1,88 @@
+"""The nodes' reports, output lines and metric batches refused at the door while too many are
+already in the server.
+
+A cluster that fills or drains at once, or comes back after the server was unreachable, sends
+thousands of these together, and every client sends again what timed out. Each one admitted cost
+the event loop its parsing, routing and dependencies before it waited its turn on the agents'
+threads (`deps.in_agent_thread`): past what those threads could store, calls queued for tens of
+seconds, timed out at their clients, came back, and crowded the heartbeats out of the event loop
+until the reaper declared live agents lost (`bench/bench_scale.py`, RESULTS.md "Eighth session").
+Refused here, a call costs a fraction of that and comes back after its client's backoff: every
+client of the server retries a 429 (`phalanx._retry`), and every one of these calls is stored once
+however often it is sent (batch ids, report outcomes).
+
+Contract: while `limit` such calls are in this server process, one more is answered 429 with a
+`Retry-After` and changes nothing. Heartbeats, registration, the work long-poll, checkpoints and
+every person's request are never refused here. One per server process, used from its event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.security_headers import ALWAYS, CONTENT_SECURITY_POLICY
+
+# POSTs of an agent's node reports and lines (many in one call, or one node's), and of a rank's
+# metric batch
+SHEDDABLE = re.compile(
+    r"/api/v1/(?:agents/[0-9]{1,10}/(?:reports|logs|allocations/[0-9]{1,10}/(?:rendezvous|started|exit|logs))"
+    r"|allocations/[0-9]{1,10}/metrics)"
+)
+RETRY_AFTER_S = 1
+DRAIN_LIMIT = 1 << 20
+REFUSAL = json.dumps(
+    {
+        "error": "the server is busy storing other nodes' reports and metrics; "
+        f"send this again after {RETRY_AFTER_S} s (it is stored once however often it is sent)",
+        "detail": None,
+    }
+).encode()
+REFUSAL_HEADERS = [
+    *ALWAYS,
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"content-type", b"application/json"),
+    (b"content-length", str(len(REFUSAL)).encode()),
+    (b"retry-after", str(RETRY_AFTER_S).encode()),
+]
+
+
+class NodeCallAdmission:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+        self.refused = 0  # since the process started
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not SHEDDABLE.fullmatch(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            self.refused += 1
+            await _drain(receive)
+            await send({"type": "http.response.start", "status": 429, "headers": REFUSAL_HEADERS})
+            await send({"type": "http.response.body", "body": REFUSAL})
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+async def _drain(receive: Receive) -> None:
+    """Read the refused call's body, up to `DRAIN_LIMIT` bytes, and drop it: answered with its body
+    unread, the server closed the connection as the client was still sending it (the client then
+    connects again, through the listen queue). A larger body is left unread (the cap stops a client
+    from making the server read gigabytes to refuse them)."""
+    read = 0
+    while read <= DRAIN_LIMIT:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
