@@ -89,7 +89,7 @@ from bench._common import (
     postgres_env,
     start_server,
 )
-from phalanx._retry import backoff_delay, is_retryable_status
+from phalanx._retry import MAX_BACKOFF_S, METRICS_MAX_BACKOFF_S, backoff_delay, is_retryable_status
 from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
 from stack.supervisor import free_port
 
@@ -174,7 +174,15 @@ class Api:
         )
 
     async def call(
-        self, route: str, method: str, path: str, token: str, *, expect: tuple[int, ...] = (200, 201, 204), **kw: Any
+        self,
+        route: str,
+        method: str,
+        path: str,
+        token: str,
+        *,
+        expect: tuple[int, ...] = (200, 201, 204),
+        max_backoff: float = MAX_BACKOFF_S,
+        **kw: Any,
     ) -> Any:
         headers = {"Authorization": f"Bearer {token}"}
         started = time.perf_counter()
@@ -198,7 +206,7 @@ class Api:
             # ranks' clients do (phalanx._retry)
             refusals += 1
             self.tally.statuses[f"{route} 429"] += 1
-            await asyncio.sleep(backoff_delay(refusals))
+            await asyncio.sleep(backoff_delay(refusals, max_backoff))
         self.tally.note(route, answer.status, time.perf_counter() - started)
         if answer.status not in expect:
             raise ApiFailed(route, answer.status, body[:300].decode(errors="replace"))
@@ -214,7 +222,9 @@ class ApiFailed(RuntimeError):
         self.status = status
 
 
-async def reliably(call: Callable[[], Awaitable[T]], note: Callable[[BaseException], None]) -> T:
+async def reliably(
+    call: Callable[[], Awaitable[T]], note: Callable[[BaseException], None], max_backoff: float = MAX_BACKOFF_S
+) -> T:
     """`call` until it is answered, or refused for a reason no retry fixes (a 4xx but 408, 425 and
     429), as the agent's and the ranks' clients send a report, a log batch or a metric batch again
     (`phalanx._transport`): a simulated node that gave up on a call the server was too busy to
@@ -228,7 +238,7 @@ async def reliably(call: Callable[[], Awaitable[T]], note: Callable[[BaseExcepti
                 raise
             note(exc)
             attempt += 1
-            await asyncio.sleep(backoff_delay(attempt))
+            await asyncio.sleep(backoff_delay(attempt, max_backoff))
 
 
 @dataclass
@@ -431,8 +441,10 @@ class SimulatedAgent:
                     credential,
                     json={"records": records},
                     expect=(200, 204, 409),
+                    max_backoff=METRICS_MAX_BACKOFF_S,
                 ),
                 partial(self.sim.note_error, "metrics"),
+                METRICS_MAX_BACKOFF_S,
             )
 
 

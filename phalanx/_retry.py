@@ -15,6 +15,9 @@ import random
 RETRYABLE_STATUSES = frozenset({408, 425, 429})
 INITIAL_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 5.0
+# The ranks' metric batches back off further (`phalanx.train._metrics`): nobody waits on them, each
+# is large, and every rank of every job sends them to a server that may be struggling already.
+METRICS_MAX_BACKOFF_S = 30.0
 
 
 def is_retryable_status(status: int) -> bool:

@@ -69,6 +69,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         await waiter.start()
         SnapshotProcess.warm(settings)
         yield
+        SnapshotProcess.stop()
         await waiter.stop()
         services.auth_thread.shutdown(wait=False)
         services.agent_threads.shutdown(wait=False)

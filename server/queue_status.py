@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Collection
@@ -177,6 +178,9 @@ def _take(session: Session, settings: Settings) -> _Taken:
     return _Taken(compute_queue_snapshot(session, settings), at)
 
 
+PARENT_CHECK_S = 1.0  # how soon the snapshot process notices that its server is gone
+
+
 class SnapshotProcess:
     """One process per server process that computes its kept snapshots, started when the server
     starts (`warm`: spawning it imports the server's modules, seconds that the first job page
@@ -199,10 +203,23 @@ class SnapshotProcess:
             cls._started().submit(int)
 
     @classmethod
+    def stop(cls) -> None:
+        """End the process (the server is shutting down); a later computation starts another."""
+        with cls._lock:
+            pool, cls._pool = cls._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    @classmethod
     def _started(cls) -> ProcessPoolExecutor:
         with cls._lock:
             if cls._pool is None:
-                cls._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                cls._pool = ProcessPoolExecutor(
+                    max_workers=1,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_exit_with_parent,
+                    initargs=(os.getpid(),),
+                )
             return cls._pool
 
     @classmethod
@@ -216,6 +233,18 @@ class SnapshotProcess:
                     cls._pool = None
             pool.shutdown(wait=False)
             raise
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In the snapshot process: exit once the server process is gone. A server that is killed
+    cannot shut its pool down, and the process would live on, orphaned, for ever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 @lru_cache(maxsize=8)

@@ -22,7 +22,7 @@ from queue import Empty, SimpleQueue
 from typing import Any, Protocol, TypedDict
 
 from phalanx import _wire
-from phalanx._retry import backoff_delay
+from phalanx._retry import METRICS_MAX_BACKOFF_S, backoff_delay
 
 logger = logging.getLogger("phalanx.train")
 
@@ -30,10 +30,9 @@ MAX_BATCH = 5_000  # records per request: keeps one POST well under a megabyte
 MAX_BUFFER = 100_000  # records held while the server is unreachable; the oldest go first
 FLUSH_INTERVAL_S = 1.0  # batching window: one request per second instead of one per step (each costs server CPU)
 SEND_TIMEOUT_S = 10.0
-# The shared backoff (phalanx._retry), capped higher than for the agent's reports: nobody waits on
-# these batches, each is large, and every rank of every job sends them to a server that may be
-# struggling already. flush() and close() retry at once regardless.
-MAX_BACKOFF_S = 30.0
+# The shared backoff, capped higher than for the agent's reports (`phalanx._retry`); flush() and
+# close() retry at once regardless.
+MAX_BACKOFF_S = METRICS_MAX_BACKOFF_S
 URGENT_RETRY_S = 0.1  # while someone waits in flush()/close(), retry often instead of backing off
 
 

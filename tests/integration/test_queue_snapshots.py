@@ -7,10 +7,13 @@ computations compute them in this one."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import make_url
@@ -203,3 +206,30 @@ def test_an_in_memory_database_is_computed_in_the_servers_process() -> None:
     assert not queue_status.SnapshotProcess.serves(make_url("sqlite:///:memory:"))
     assert queue_status.SnapshotProcess.serves(make_url("sqlite:////var/phalanx/phalanx.db"))
     assert queue_status.SnapshotProcess.serves(make_url("postgresql+psycopg://db/phalanx"))
+
+
+def test_the_snapshot_process_exits_when_its_server_is_killed(kept_settings: Settings) -> None:
+    """A server killed with SIGKILL cannot shut its pool down: the process notices on its own."""
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from server.queue_status import SnapshotProcess\n"
+            "from server.settings import Settings\n"
+            "SnapshotProcess.warm(Settings(database_url=sys.argv[1], queue_snapshot_seconds=60))\n"
+            "pool = SnapshotProcess._started()\n"
+            "pool.submit(int).result()\n"
+            "print(*pool._processes, flush=True)\n"
+            "time.sleep(600)\n",
+            kept_settings.database_url,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as server:
+        assert server.stdout is not None
+        (child,) = (psutil.Process(int(pid)) for pid in server.stdout.readline().split())
+        assert child.is_running()
+        server.kill()
+        server.wait(10)
+    child.wait(timeout=10 * queue_status.PARENT_CHECK_S)  # psutil.TimeoutExpired if it lived on
