@@ -117,7 +117,7 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     app.add_middleware(BodyCapMiddleware, cap=caps_for(settings))
     app.add_middleware(SecurityHeadersMiddleware)
     # before any of the app's work: a refused call must cost next to nothing (see its module)
-    app.add_middleware(NodeCallAdmission, limit=settings.max_node_calls_in_flight)
+    app.add_middleware(NodeCallAdmission, limit=settings.max_node_calls_in_flight, backlog=services.agent_backlog)
     app.add_middleware(HeartbeatFastPath, services=services)  # outermost: see its module
 
     @app.exception_handler(Exception)

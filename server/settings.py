@@ -100,9 +100,10 @@ class Settings(BaseSettings):
     # metrics): at a cluster's fill a thousand work reads and the nodes' reports queued for the
     # worker threads, and a person's jobs list waited 10-26 s behind them (bench/bench_scale.py).
     agent_threads: int = Field(4, ge=1, le=256)
-    # The nodes' reports, lines and metric batches in one server process at once; past it, 429 at
-    # the door (`server/api/admission.py`): queued behind the agents' threads, they timed out, came
-    # back, and crowded the heartbeats out.
+    # The agents' and ranks' calls waiting for or running on the agents' threads in one server
+    # process; past it, their reports, lines and metric batches are refused 429 at the door
+    # (`server/api/admission.py`): queued behind those threads, they timed out, came back, and
+    # crowded the heartbeats out.
     max_node_calls_in_flight: int = Field(64, ge=1, le=100_000)
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
     # on every other long-poll's wait).

@@ -11,8 +11,11 @@ Refused here, a call costs a fraction of that and comes back after its client's 
 client of the server retries a 429 (`phalanx._retry`), and every one of these calls is stored once
 however often it is sent (batch ids, report outcomes).
 
-Contract: while `limit` such calls are in this server process, one more is answered 429 with a
-`Retry-After` and changes nothing. Heartbeats, registration, the work long-poll, checkpoints and
+Contract: while `limit` calls of agents and ranks wait for or run on the agents' threads (counted
+by `in_agent_thread` in `AgentBacklog`), one more of these is answered 429 with a `Retry-After`
+and changes nothing. A call still sending its body, or still being authenticated, is not counted:
+counted from the door, 64 clients sending their bodies slowly on purpose kept every node's calls
+out. Heartbeats, registration, the work long-poll, checkpoints and
 every person's request are never refused here. One per server process, used from its event loop.
 """
 
@@ -49,28 +52,34 @@ REFUSAL_HEADERS = [
 ]
 
 
+class AgentBacklog:
+    """The agents' and ranks' calls waiting for or running on the agents' threads. Changed and read
+    only on the event loop's thread, so it needs no lock."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
 class NodeCallAdmission:
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, backlog: AgentBacklog) -> None:
         self.app = app
         self.limit = limit
-        self.in_flight = 0
+        self.backlog = backlog
         self.refused = 0  # since the process started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not SHEDDABLE.fullmatch(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        if self.in_flight >= self.limit:
+        if (
+            self.backlog.calls >= self.limit
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and SHEDDABLE.fullmatch(scope["path"])
+        ):
             self.refused += 1
             await _drain(receive)
             await send({"type": "http.response.start", "status": 429, "headers": REFUSAL_HEADERS})
             await send({"type": "http.response.body", "body": REFUSAL})
             return
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= 1
+        await self.app(scope, receive, send)
 
 
 async def _drain(receive: Receive) -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from phalanx.schemas import NUL_FREE
+from server.api.admission import AgentBacklog
 from server.auth import Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, Unauthorized
 from server.heartbeats import HeartbeatBatcher
@@ -51,13 +52,19 @@ class Services:
     agent_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="agents")
     )
+    # what waits for or runs on them: past a limit, the door refuses more (`server/api/admission.py`)
+    agent_backlog: AgentBacklog = field(default_factory=AgentBacklog)
     # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
     study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
 
 
 async def in_agent_thread(services: Services, work: Callable[[], T]) -> T:
     """`work` on the agents' threads (`Services.agent_threads`): a call of an agent or a rank."""
-    return await asyncio.get_running_loop().run_in_executor(services.agent_threads, work)
+    services.agent_backlog.calls += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(services.agent_threads, work)
+    finally:
+        services.agent_backlog.calls -= 1
 
 
 def install_services(app: FastAPI, services: Services) -> None:

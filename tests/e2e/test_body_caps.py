@@ -81,3 +81,32 @@ def test_a_streamed_huge_body_is_cut_off_and_memory_stays_flat(server: Stack) ->
     assert sent < HUGE, "the server read the whole body"
     assert grown < 64 << 20, f"the server grew by {grown >> 20} MiB"
     assert time.monotonic() - started < 10
+
+
+def test_bodies_trickled_in_never_keep_the_nodes_calls_out(server: Stack) -> None:
+    """Node calls are refused past a limit of calls on the agents' threads
+    (`server/api/admission.py`). Counted from the door, more connections than that limit, each
+    sending a node call's body slowly and with no credential, kept every node's calls out."""
+    slow = []
+    try:
+        for _ in range(80):  # past the default limit of 64
+            sock = send_headers(
+                server.port,
+                "POST /api/v1/agents/1/logs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1000\r\n\r\n{",
+            )
+            slow.append(sock)
+        # every slow call has reached the app once the server has answered a request sent after them
+        with server.client() as client:
+            client.list_jobs()
+        sock = send_headers(
+            server.port,
+            "POST /api/v1/allocations/1/metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+            "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+        )
+        with sock:
+            answer = read_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    finally:
+        for sock in slow:
+            sock.close()

@@ -1,5 +1,6 @@
-"""`NodeCallAdmission`: past its limit of nodes' calls in the process, one more is refused at the
-door (429, Retry-After, the app never sees it); everything else always goes through."""
+"""`NodeCallAdmission`: past its limit of calls on the agents' threads, one more node call is
+refused at the door (429, Retry-After, the app never sees it); everything else always goes
+through, and a call still sending its body holds no place."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import asyncio
 import json
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from types import SimpleNamespace
+from typing import Any, TypeVar, cast
 
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from server.api.admission import SHEDDABLE, NodeCallAdmission
+from server.api.admission import SHEDDABLE, AgentBacklog, NodeCallAdmission
+from server.api.deps import Services, in_agent_thread
 
 SHED = [
     "/api/v1/agents/7/reports",
@@ -55,17 +58,24 @@ def test_no_other_call_is_ever_refused(path: str) -> None:
 
 
 class HeldApp:
-    """An app that answers 204 once `release` is set, counting the calls it saw."""
+    """An app that holds each call on the agents' threads (counted in `backlog`, as
+    `deps.in_agent_thread` does) until `release` is set, then answers 204; it counts the calls it
+    saw."""
 
-    def __init__(self) -> None:
+    def __init__(self, backlog: AgentBacklog) -> None:
+        self.backlog = backlog
         self.release = asyncio.Event()
         self.entered = asyncio.Event()
         self.calls = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.calls += 1
+        self.backlog.calls += 1
         self.entered.set()
-        await self.release.wait()
+        try:
+            await self.release.wait()
+        finally:
+            self.backlog.calls -= 1
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
@@ -85,8 +95,9 @@ async def call(app: Any, method: str, path: str) -> tuple[int, dict[bytes, bytes
 
 def test_past_the_limit_a_nodes_call_is_refused_and_the_rest_go_through() -> None:
     async def story() -> None:
-        inner = HeldApp()
-        admission = NodeCallAdmission(inner, limit=1)
+        backlog = AgentBacklog()
+        inner = HeldApp(backlog)
+        admission = NodeCallAdmission(inner, limit=1, backlog=backlog)
         first = asyncio.create_task(call(admission, "POST", "/api/v1/allocations/3/metrics"))
         await inner.entered.wait()
         status, headers, body = await call(admission, "POST", "/api/v1/agents/7/reports")
@@ -103,21 +114,52 @@ def test_past_the_limit_a_nodes_call_is_refused_and_the_rest_go_through() -> Non
             await asyncio.sleep(0.01)
         inner.release.set()
         assert [answer[0] for answer in await asyncio.gather(first, *others)] == [204] * (1 + len(others))
-        assert admission.in_flight == 0
+        assert backlog.calls == 0
         assert (await call(admission, "POST", "/api/v1/agents/7/reports"))[0] == 204, "admitted again"
 
     run(story())
 
 
-def test_a_call_that_fails_leaves_its_place() -> None:
-    async def failing(scope: Scope, receive: Receive, send: Send) -> None:
-        raise RuntimeError("the app failed")
+def test_a_call_still_sending_its_body_holds_no_place() -> None:
+    """Counted from the door, 64 clients trickling their bodies in kept every node's call out."""
 
     async def story() -> None:
-        admission = NodeCallAdmission(failing, limit=1)
-        with pytest.raises(RuntimeError):
-            await call(admission, "POST", "/api/v1/allocations/3/metrics")
-        assert admission.in_flight == 0
+        backlog = AgentBacklog()
+        inner = HeldApp(backlog)
+        trickled = asyncio.Event()
+
+        async def reads_its_body_first(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["path"].endswith("/logs"):  # stands for a body that never ends
+                await receive()
+                trickled.set()
+                await asyncio.Event().wait()
+            await inner(scope, receive, send)
+
+        admission = NodeCallAdmission(reads_its_body_first, limit=1, backlog=backlog)
+        slow = asyncio.create_task(call(admission, "POST", "/api/v1/agents/7/logs"))
+        await trickled.wait()
+        admitted = asyncio.create_task(call(admission, "POST", "/api/v1/allocations/3/metrics"))
+        await inner.entered.wait()
+        assert (await call(admission, "POST", "/api/v1/agents/7/reports"))[0] == 429, "the thread's call counts"
+        inner.release.set()
+        assert (await admitted)[0] == 204
+        slow.cancel()
+
+    run(story())
+
+
+def test_the_agents_threads_count_each_call_until_it_ends_or_fails() -> None:
+    def fails() -> None:
+        raise RuntimeError("the call failed")
+
+    async def story() -> None:
+        with ThreadPoolExecutor(1) as threads:
+            services = cast(Services, SimpleNamespace(agent_threads=threads, agent_backlog=AgentBacklog()))
+            counted: list[int] = []
+            await in_agent_thread(services, lambda: counted.append(services.agent_backlog.calls))
+            with pytest.raises(RuntimeError):
+                await in_agent_thread(services, fails)
+            assert counted == [1] and services.agent_backlog.calls == 0
 
     run(story())
 
@@ -126,9 +168,9 @@ def test_a_refused_calls_body_is_read_up_to_a_limit() -> None:
     """Answered with its body unread, the connection was closed under a client still sending it."""
 
     async def refused(chunks: list[bytes]) -> int:
-        inner = HeldApp()
-        admission = NodeCallAdmission(inner, limit=1)
-        admission.in_flight = 1  # one already in
+        backlog = AgentBacklog()
+        backlog.calls = 1  # one already on the agents' threads
+        admission = NodeCallAdmission(HeldApp(backlog), limit=1, backlog=backlog)
         read: list[bytes] = []
 
         async def receive() -> Message:
