@@ -89,7 +89,14 @@ from bench._common import (
     postgres_env,
     start_server,
 )
-from phalanx._retry import MAX_BACKOFF_S, METRICS_MAX_BACKOFF_S, backoff_delay, is_retryable_status
+from phalanx._retry import (
+    MAX_BACKOFF_S,
+    METRICS_MAX_BACKOFF_S,
+    backoff_delay,
+    is_retryable_status,
+    retry_after_s,
+    retry_delay,
+)
 from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
 from stack.supervisor import free_port
 
@@ -202,11 +209,11 @@ class Api:
                         raise
             if answer.status != 429 or time.perf_counter() - started > REFUSED_RETRY_S:
                 break
-            # the server sheds load (429): back off and send again, as the agent's and the
-            # ranks' clients do (phalanx._retry)
+            # the server sheds load (429): back off, no sooner than its Retry-After, and send
+            # again, as the agent's and the ranks' clients do (phalanx._retry)
             refusals += 1
             self.tally.statuses[f"{route} 429"] += 1
-            await asyncio.sleep(backoff_delay(refusals, max_backoff))
+            await asyncio.sleep(retry_delay(refusals, retry_after_s(answer.headers.get("Retry-After")), max_backoff))
         self.tally.note(route, answer.status, time.perf_counter() - started)
         if answer.status not in expect:
             raise ApiFailed(route, answer.status, body[:300].decode(errors="replace"))

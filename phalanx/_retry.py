@@ -18,6 +18,9 @@ MAX_BACKOFF_S = 5.0
 # The ranks' metric batches back off further (`phalanx.train._metrics`): nobody waits on them, each
 # is large, and every rank of every job sends them to a server that may be struggling already.
 METRICS_MAX_BACKOFF_S = 30.0
+# The longest `Retry-After` obeyed: a proxy's or a confused server's hour must not silence an agent
+# or a rank for that long.
+MAX_RETRY_AFTER_S = 60.0
 
 
 def is_retryable_status(status: int) -> bool:
@@ -30,3 +33,19 @@ def backoff_delay(failures: int, maximum: float = MAX_BACKOFF_S) -> float:
     ranks and agents that lost the server together do not come back in lock-step."""
     exponent = min(max(failures, 1) - 1, 32)  # past any cap already; keeps 2**n small
     return min(maximum, INITIAL_BACKOFF_S * 2.0**exponent) * random.uniform(0.5, 1.0)
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """The wait a `Retry-After` header asks for, in seconds (at most `MAX_RETRY_AFTER_S`); None
+    when there is none or it is not a number of seconds (an HTTP date is not obeyed)."""
+    value = (header or "").strip()
+    if not value.isascii() or not value.isdigit() or len(value) > 10:
+        return None
+    return min(float(value), MAX_RETRY_AFTER_S)
+
+
+def retry_delay(failures: int, retry_after: float | None, maximum: float = MAX_BACKOFF_S) -> float:
+    """`backoff_delay`, but never sooner than the server's `Retry-After` asked: the server sheds
+    load with it (429 when busy), and a client that comes back early only adds to that load."""
+    delay = backoff_delay(failures, maximum)
+    return delay if retry_after is None else max(delay, retry_after)

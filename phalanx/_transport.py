@@ -12,7 +12,8 @@ Contract:
   on: a superseded allocation, a state change that lost a race), `ApiError` for any other error
   answer (with the server's message), and lets `httpx.TransportError` through (no answer).
 - `is_transient(exc)` is the one answer to "may a retry succeed?".
-- `reliably(fn)` retries `fn` on transient errors with `backoff_delay`, blocking the caller. The
+- `reliably(fn)` retries `fn` on transient errors with `backoff_delay`, never sooner than the
+  server's `Retry-After` asked (`ApiError.retry_after`), blocking the caller. The
   metric sender cannot block (its thread must keep draining the training loop's queue), so it
   schedules its own retries with the same `is_transient` and `backoff_delay`.
 - A `Transport` may be shared by threads (httpx.Client is thread-safe for requests).
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 import httpx
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay
 
-from phalanx._retry import backoff_delay, is_retryable_status
+from phalanx._retry import is_retryable_status, retry_after_s, retry_delay
 
 API_PREFIX = "/api/v1"
 DEFAULT_TIMEOUT_S = 30.0
@@ -43,9 +44,10 @@ T = TypeVar("T")
 class ApiError(Exception):
     """The server answered with an error status; `message` is its explanation for a person."""
 
-    def __init__(self, status: int, message: str, detail: Any = None) -> None:
+    def __init__(self, status: int, message: str, detail: Any = None, retry_after: float | None = None) -> None:
         super().__init__(f"{message} (HTTP {status})")
         self.status, self.message, self.detail = status, message, detail
+        self.retry_after = retry_after  # seconds the server asked to wait before a retry
 
 
 class Conflict(ApiError):
@@ -64,7 +66,7 @@ def error_from(response: httpx.Response) -> ApiError:
     else:
         message, detail = response.text or response.reason_phrase, None
     kind = Conflict if response.status_code == 409 else ApiError
-    return kind(response.status_code, str(message), detail)
+    return kind(response.status_code, str(message), detail, retry_after_s(response.headers.get("retry-after")))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -75,7 +77,8 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _wait(state: RetryCallState) -> float:
-    return backoff_delay(state.attempt_number)
+    exc = state.outcome.exception() if state.outcome else None
+    return retry_delay(state.attempt_number, exc.retry_after if isinstance(exc, ApiError) else None)
 
 
 def reliably(fn: Callable[[], T], *, give_up_after: float = DEFAULT_GIVE_UP_AFTER_S, log: logging.Logger = logger) -> T:

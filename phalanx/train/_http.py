@@ -39,6 +39,7 @@ class HttpMetricSink:
         self._transport = Transport(url, token, timeout=SEND_TIMEOUT_S)
         self._path = f"/allocations/{allocation_id}/metrics"
         self._on_profile = on_profile  # (profile id, steps): the server asks for a profile
+        self.retry_after: float | None = None
 
     def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
         # orjson: a second's records encode in ~40 us instead of ~0.7 ms with json, and this
@@ -49,6 +50,7 @@ class HttpMetricSink:
         except Conflict:
             return SendOutcome.SUPERSEDED
         except (ApiError, httpx.HTTPError) as exc:
+            self.retry_after = exc.retry_after if isinstance(exc, ApiError) else None
             if is_transient(exc):
                 logger.debug("phalanx: metrics request failed: %s", exc)
                 return SendOutcome.RETRY

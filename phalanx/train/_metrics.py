@@ -22,7 +22,7 @@ from queue import Empty, SimpleQueue
 from typing import Any, Protocol, TypedDict
 
 from phalanx import _wire
-from phalanx._retry import METRICS_MAX_BACKOFF_S, backoff_delay
+from phalanx._retry import METRICS_MAX_BACKOFF_S, retry_delay
 
 logger = logging.getLogger("phalanx.train")
 
@@ -55,6 +55,9 @@ class SendOutcome(enum.Enum):
 
 
 class MetricSink(Protocol):
+    # the wait the server asked for (`Retry-After`) with the last batch answered RETRY, if it asked
+    retry_after: float | None
+
     def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
         """Deliver one batch. A retried batch has the same records and `batch_id`, so the server
         stores it once even when an earlier answer was lost."""
@@ -296,7 +299,9 @@ class MetricPipeline:
                     logger.warning("phalanx: cannot send metrics yet; retrying with backoff")
                     self._failing = True
                 self._failures += 1
-                self._next_attempt = time.monotonic() + backoff_delay(self._failures, MAX_BACKOFF_S)
+                self._next_attempt = time.monotonic() + retry_delay(
+                    self._failures, self._sink.retry_after, MAX_BACKOFF_S
+                )
                 return
             self._retry_size = 0
             if self._failing:

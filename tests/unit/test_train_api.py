@@ -419,6 +419,7 @@ class ScriptedSink:
 
     def __init__(self) -> None:
         self.up = False
+        self.retry_after: float | None = None
         self.received: list[MetricRecordDict] = []
 
     def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
@@ -445,6 +446,30 @@ def test_buffer_drops_the_oldest_records_past_its_bound() -> None:
     pipeline.close(timeout=1)
     assert [r["step"] for r in sink.received] == list(range(150, 250))  # the newest survive
     assert {r["rank"] for r in sink.received} == {1}
+
+
+def test_a_refused_batch_is_sent_again_no_sooner_than_the_server_asked() -> None:
+    class BusySink(ScriptedSink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.retry_after = 1.0
+            self.attempts: list[float] = []
+            self.twice = threading.Event()
+
+        def send(self, records: list[MetricRecordDict], timeout: float, batch_id: str) -> SendOutcome:
+            self.attempts.append(time.monotonic())
+            if len(self.attempts) == 2:
+                self.twice.set()
+            return super().send(records, timeout, batch_id)
+
+    sink = BusySink()
+    pipeline = MetricPipeline(rank=0, sink=sink, flush_interval_s=0.02)
+    pipeline.queue.put((1, time.time(), {"v": 1}))
+    assert sink.twice.wait(10)
+    sink.up = True
+    assert sink.attempts[1] - sink.attempts[0] >= 1.0, "the first backoff alone is 0.1-0.2 s"
+    assert pipeline.flush(timeout=5)
+    pipeline.close(timeout=1)
 
 
 # --- two real ranks ------------------------------------------------------------------------

@@ -14,7 +14,16 @@ from typing import Any
 import httpx
 import pytest
 
-from phalanx._retry import INITIAL_BACKOFF_S, MAX_BACKOFF_S, RETRYABLE_STATUSES, backoff_delay, is_retryable_status
+from phalanx._retry import (
+    INITIAL_BACKOFF_S,
+    MAX_BACKOFF_S,
+    MAX_RETRY_AFTER_S,
+    RETRYABLE_STATUSES,
+    backoff_delay,
+    is_retryable_status,
+    retry_after_s,
+    retry_delay,
+)
 from phalanx._transport import ApiError, Conflict, Transport, is_transient, reliably
 from phalanx.client import Client
 from phalanx.train._http import HttpMetricSink, http_committer
@@ -29,6 +38,7 @@ class ScriptedServer:
     def __init__(self, answers: list[Answer] | None = None, default: Answer = (200, b"{}")) -> None:
         self.answers = list(answers or [])
         self.default = default
+        self.headers: dict[str, str] = {}  # sent with every answer
         self.requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         outer = self
@@ -50,6 +60,8 @@ class ScriptedServer:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
+                for name, value in outer.headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(payload)
 
@@ -183,6 +195,47 @@ def test_reliably_gives_up_with_the_last_error() -> None:
     transport.close()
 
 
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("1", 1.0),
+        (" 3 ", 3.0),
+        ("600", MAX_RETRY_AFTER_S),
+        ("9" * 10, MAX_RETRY_AFTER_S),
+        ("9" * 11, None),
+        (None, None),
+        ("", None),
+        ("-1", None),
+        ("1.5", None),
+        ("1e9", None),
+        ("Wed, 21 Oct 2026 07:28:00 GMT", None),
+        ("\u0661", None),  # a digit, but not an ASCII one
+    ],
+)
+def test_retry_after_is_read_in_seconds_and_bounded(header: str | None, seconds: float | None) -> None:
+    assert retry_after_s(header) == seconds
+
+
+@pytest.mark.parametrize("failures", [1, 2, 3, 10])
+def test_a_retry_never_comes_sooner_than_the_server_asked(failures: int) -> None:
+    assert retry_delay(failures, 2.0) >= 2.0
+    assert retry_delay(failures, 0.0) <= MAX_BACKOFF_S
+    assert retry_delay(failures, None) <= min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** (failures - 1))
+
+
+def test_reliably_waits_as_long_as_the_server_asks(server: ScriptedServer) -> None:
+    server.headers = {"Retry-After": "1"}
+    server.answers = [(429, error("busy"))]
+    transport = Transport(server.url)
+    try:
+        start = time.monotonic()
+        assert reliably(lambda: transport.request("POST", "/x"), give_up_after=30).status_code == 200
+        assert time.monotonic() - start >= 1.0, "came back before the Retry-After"
+        assert len(server.requests) == 2
+    finally:
+        transport.close()
+
+
 # --- a rank's two senders --------------------------------------------------------------------
 
 
@@ -206,6 +259,18 @@ def test_metric_sink_outcomes(server: ScriptedServer, answer: Answer, outcome: S
     (request,) = server.requests
     assert request["path"] == "/api/v1/allocations/7/metrics" and request["auth"] == "Bearer tok"
     assert json.loads(request["body"]) == {"records": records, "batch_id": "b-0"}
+
+
+def test_metric_sink_keeps_the_wait_the_server_asked_for(server: ScriptedServer) -> None:
+    server.headers = {"Retry-After": "2"}
+    server.answers = [(429, error("busy")), (503, b"")]
+    sink = HttpMetricSink(server.url, 7, "tok")
+    try:
+        assert sink.send([], timeout=5, batch_id="b-0") is SendOutcome.RETRY and sink.retry_after == 2.0
+        server.headers = {}
+        assert sink.send([], timeout=5, batch_id="b-0") is SendOutcome.RETRY and sink.retry_after is None
+    finally:
+        sink.close()
 
 
 def test_metric_sink_retries_when_the_server_is_down() -> None:
