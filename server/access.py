@@ -28,7 +28,7 @@ query of what a principal may list, for callers that add their own filters and p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import Session, selectinload
@@ -290,6 +290,40 @@ def may_report_for(session: Session, principal: Principal, allocation_id: int) -
     ).first()
     if principal.agent_id is None or hosted is None:
         raise Forbidden(f"allocation {allocation_id} has no node on this agent; an agent reports only for its own")
+
+
+def may_report_for_each(session: Session, requests: Sequence[tuple[Principal, int]]) -> list[Forbidden | None]:
+    """`may_report_for` for many (principal, allocation id), in one query at most: for each, None
+    or why it may not."""
+    agents = {principal.agent_id for principal, _ in requests if principal.kind != "rank" and principal.agent_id}
+    hosted: set[tuple[int, int]] = set()
+    if agents:
+        hosted = {
+            (allocation_id, agent_id)
+            for allocation_id, agent_id in session.execute(
+                select(AllocationNode.allocation_id, AllocationNode.agent_id).where(
+                    AllocationNode.allocation_id.in_(sorted({allocation_id for _, allocation_id in requests})),
+                    AllocationNode.agent_id.in_(sorted(agents)),
+                )
+            )
+        }
+    refusals: list[Forbidden | None] = []
+    for principal, allocation_id in requests:
+        if principal.kind == "rank":
+            refusals.append(
+                None
+                if principal.allocation_id == allocation_id
+                else Forbidden(
+                    f"this token belongs to allocation {principal.allocation_id}, not to allocation {allocation_id}"
+                )
+            )
+        elif principal.agent_id is None or (allocation_id, principal.agent_id) not in hosted:
+            refusals.append(
+                Forbidden(f"allocation {allocation_id} has no node on this agent; an agent reports only for its own")
+            )
+        else:
+            refusals.append(None)
+    return refusals
 
 
 def may_fetch_bundle(session: Session, principal: Principal, job_id: int) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from server import auth, dashboard, task_queue
 from server.api import agents, allocations, docs, jobs, ops, queue, scaling, studies, teams, tokens, usage
-from server.api.admission import NodeCallAdmission
+from server.api.admission import AgentBacklog, NodeCallAdmission
 from server.api.deps import Services, get_principal, install_services
 from server.api.heartbeat_path import HeartbeatFastPath
 from server.auth import TokenCache
@@ -29,6 +29,7 @@ from server.db import check_schema, mark_server_start, session_factory, session_
 from server.errors import install_handlers
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
+from server.metric_batches import MetricWriter
 from server.queue_status import SnapshotProcess
 from server.security_headers import SecurityHeadersMiddleware
 from server.settings import Settings
@@ -96,6 +97,8 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     registry.register(ops.HeldCollector(holds))
     token_cache = TokenCache()
     auth_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="auth")
+    agent_threads = ThreadPoolExecutor(max_workers=settings.agent_threads, thread_name_prefix="agents")
+    agent_backlog = AgentBacklog()
     services = Services(
         settings=settings,
         sessions=sessions,
@@ -108,7 +111,9 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         token_cache=token_cache,
         token_lookups=TokenLookups(sessions, token_cache, auth_thread),
         auth_thread=auth_thread,
-        agent_threads=ThreadPoolExecutor(max_workers=settings.agent_threads, thread_name_prefix="agents"),
+        metric_writer=MetricWriter(sessions, agent_threads, agent_backlog),
+        agent_threads=agent_threads,
+        agent_backlog=agent_backlog,
     )
     install_services(app, services)
     install_handlers(app, pages=dashboard_render.error_page)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -56,19 +56,28 @@ def sqlite_metric_rows(job_id: int, allocation_id: int, records: list[MetricReco
 
 
 def insert_metrics(session: Session, job_id: int, allocation_id: int, records: list[MetricRecord]) -> None:
-    if not records:
+    insert_metric_batches(session, [(job_id, allocation_id, records)])
+
+
+def insert_metric_batches(session: Session, batches: Sequence[tuple[int, int, list[MetricRecord]]]) -> None:
+    """Every point of the (job id, allocation id, records) batches, in one COPY (PostgreSQL) or
+    one executemany."""
+    if not any(records for _, _, records in batches):
         return
     connection = session.connection()
     if connection.dialect.name == "postgresql":
         raw = connection.connection.driver_connection
         assert raw is not None
         with raw.cursor() as cursor, cursor.copy(COPY_METRICS) as copy:
-            for row in metric_rows(job_id, allocation_id, records):
-                copy.write_row(row)
+            for job_id, allocation_id, records in batches:
+                for row in metric_rows(job_id, allocation_id, records):
+                    copy.write_row(row)
     else:
         # sqlite3's own executemany: a fraction of the CPU of SQLAlchemy's, which processes every
         # parameter of every row.
-        connection.exec_driver_sql(INSERT_METRICS, sqlite_metric_rows(job_id, allocation_id, records))
+        rows = [row for job_id, a, records in batches for row in sqlite_metric_rows(job_id, a, records)]
+        if rows:
+            connection.exec_driver_sql(INSERT_METRICS, rows)
 
 
 def record_progress(session: Session, allocation_id: int, records: list[MetricRecord]) -> None:

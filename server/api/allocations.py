@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from phalanx import schemas
@@ -14,18 +12,16 @@ from server.api.deps import (
     RankNumber,
     ReporterDep,
     RowId,
-    Services,
     ServicesDep,
     SessionDep,
     SettingsDep,
-    in_agent_thread,
 )
 from server.api.uploads import invalid_batch
-from server.errors import Conflict, NotFound, Unprocessable
-from server.ingest import batch_identity, first_delivery, insert_metrics, record_progress
-from server.models import Allocation, MetricBatch, Profile, ProfileTrace, TuningStudy, TuningTrial
-from server.task_names import ADVANCE_STUDY_TASK
-from server.wakeups import note_job_data, note_task
+from server.errors import NotFound, Unprocessable
+from server.ingest import batch_identity
+from server.metric_batches import IncomingBatch
+from server.models import Allocation, ProfileTrace
+from server.wakeups import note_job_data
 
 router = APIRouter(prefix="/allocations", tags=["allocations"])
 
@@ -38,66 +34,23 @@ router = APIRouter(prefix="/allocations", tags=["allocations"])
 async def post_metrics(
     allocation_id: RowId, request: Request, services: ServicesDep, reporter: ReporterDep
 ) -> Response:
-    """Store a batch of `report()` records. 409 once the allocation is superseded or ended. While
-    the attempt's ranks are asked to record a profile, the answer (200) says which and how many
-    steps (`MetricBatchAnswer`); otherwise it is empty (204)."""
+    """Store a batch of `report()` records, once however often it is sent (in one transaction with
+    the batches that arrive meanwhile: `server/metric_batches.py`). 409 once the allocation is
+    superseded or ended. While the attempt's ranks are asked to record a profile, the answer (200)
+    says which and how many steps (`MetricBatchAnswer`); otherwise it is empty (204)."""
     raw = await request.body()  # capped while it streamed (server/body_caps.py)
     try:
         batch = schemas.MetricBatchIn.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_batch("metric batch", exc) from exc
 
-    def store() -> schemas.ProfileOrder | None:
-        """Store the batch (a retried one was stored already); the live charts are woken, and a
-        trial's study is driven when the batch carries its objective (intermediate values for
-        Optuna, and its pruner's verdict)."""
-        with services.sessions() as session, session.begin():
-            access.may_report_for(session, reporter, allocation_id)
-            row = session.execute(
-                select(
-                    Allocation.job_id,
-                    Allocation.active,
-                    Allocation.fenced,
-                    TuningTrial.study_id,
-                    Profile.id,
-                    Profile.steps,
-                )
-                .outerjoin(TuningTrial, TuningTrial.job_id == Allocation.job_id)
-                .outerjoin(Profile, Profile.id == Allocation.profile_request)
-                .where(Allocation.id == allocation_id)
-            ).one_or_none()
-            if row is None:
-                raise NotFound(f"allocation {allocation_id} does not exist")
-            job_id, active, fenced, study_id, profile_id, profile_steps = row
-            if fenced or not active:
-                raise Conflict(f"allocation {allocation_id} is no longer current; its workers must stop")
-            order = None if profile_id is None else schemas.ProfileOrder(id=profile_id, steps=profile_steps)
-            if not first_delivery(session, MetricBatch, allocation_id, batch_identity(batch.batch_id, raw)):
-                return order  # a retry of a batch whose answer was lost: stored already
-            insert_metrics(session, job_id, allocation_id, batch.records)
-            # last (a row lock until commit): progress for hang detection, and the latest values
-            record_progress(session, allocation_id, batch.records)
-            note_job_data(session, job_id)
-            if study_id is not None:
-                objectives = objective_metrics(services, session, study_id)
-                if any(objectives.intersection(r.values) for r in batch.records):
-                    note_task(session, ADVANCE_STUDY_TASK, study_id)
-            return order
-
-    order = await in_agent_thread(services, store)
+    order = await services.metric_writer.store(
+        IncomingBatch(reporter, allocation_id, batch_identity(batch.batch_id, raw), batch.records)
+    )
     if order is None:
         return Response(status_code=204)
     answer = schemas.MetricBatchAnswer(profile=order)
     return Response(answer.model_dump_json(), status_code=200, media_type="application/json")
-
-
-def objective_metrics(services: Services, session: Session, study_id: int) -> frozenset[str]:
-    """The metrics a study optimises (specs never change: cached per process)."""
-    cache = services.study_objectives
-    if study_id not in cache:
-        spec = session.execute(select(TuningStudy.spec).where(TuningStudy.id == study_id)).scalar_one()
-        cache[study_id] = frozenset(o.metric for o in schemas.StudySpec.model_validate(spec).objectives)
-    return cache[study_id]
 
 
 @router.post("/{allocation_id}/checkpoints", status_code=201, response_model=schemas.CheckpointView)

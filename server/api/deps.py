@@ -20,6 +20,7 @@ from server.auth import Principal, TokenCache, hash_token, lookup
 from server.errors import Forbidden, Unauthorized
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
+from server.metric_batches import MetricWriter
 from server.settings import Settings
 from server.token_lookups import TokenLookups
 from server.wakeups import Enqueue, Waiter
@@ -47,6 +48,7 @@ class Services:
     # declared lost.
     token_lookups: TokenLookups
     auth_thread: ThreadPoolExecutor
+    metric_writer: MetricWriter  # the ranks' metric batches, written in groups on the agents' threads
     # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
     # a person's request on the worker threads.
     agent_threads: ThreadPoolExecutor = field(
@@ -54,8 +56,6 @@ class Services:
     )
     # what waits for or runs on them: past a limit, the door refuses more (`server/api/admission.py`)
     agent_backlog: AgentBacklog = field(default_factory=AgentBacklog)
-    # study id -> the metrics it optimises (a study's spec never changes, so this never goes stale)
-    study_objectives: dict[int, frozenset[str]] = field(default_factory=dict)
 
 
 async def in_agent_thread(services: Services, work: Callable[[], T]) -> T:

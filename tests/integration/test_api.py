@@ -20,7 +20,7 @@ from sqlalchemy import func, select, text, update
 
 from scheduler.service import reap_pass, schedule_pass
 from server.app import create_app
-from server.db import SchemaOutOfDate, engine_for, session_scope, upgrade
+from server.db import SchemaOutOfDate, engine_for, session_scope
 from server.models import Agent, ControlPlane, Job, Metric
 from server.settings import Settings
 from tests.agent_tokens import CLUSTER_AGENT, as_agent, as_rank, register_agent
@@ -407,20 +407,6 @@ def test_server_refuses_an_unmigrated_database(tmp_path: Any) -> None:
 
 
 # --- NaN and infinities: stored and shown ------------------------------------------------------
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def any_store(
-    request: pytest.FixtureRequest, settings: Settings, tmp_path: Any
-) -> Iterator[tuple[TestClient, Settings]]:
-    """The app on PostgreSQL, and on the embedded SQLite (which stores a bound NaN as NULL)."""
-    if request.param == "sqlite":
-        settings = Settings(data_dir=tmp_path / "embedded", admin_token=ADMIN_TOKEN, agent_token=AGENT_TOKEN)
-        upgrade(settings.database_url)
-    with TestClient(create_app(settings, enqueue=lambda *_, **__: None)) as test_client:
-        yield test_client, settings
-    if request.param == "sqlite":
-        engine_for(settings.database_url).dispose()
 
 
 def test_nan_and_infinities_are_stored_and_shown_on_every_surface(any_store: tuple[TestClient, Settings]) -> None:
