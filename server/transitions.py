@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
@@ -102,9 +102,22 @@ class _Stateful(Protocol):
 
 
 def db_now(session: Session) -> datetime:
-    """The database clock: every timestamp and heartbeat comparison uses it, never a host's."""
+    """The database clock: every timestamp and heartbeat comparison uses it, never a host's.
+
+    One instant per transaction, read at its first use: everything a transaction stamps happens at
+    once, as for PostgreSQL's own now(), and a node's exit (its node, its lease, its allocation and
+    its job stamped) costs one round trip for the clock instead of four."""
+    transaction = session.get_transaction()
+    known = session.info.get(_DB_NOW)
+    if transaction is not None and known is not None and known[0] is transaction:
+        return cast(datetime, known[1])
     now: datetime = session.execute(select(utcnow())).scalar_one()
+    # (the transaction itself is kept, not its id: a new one could reuse a freed one's id)
+    session.info[_DB_NOW] = (session.get_transaction(), now)
     return now
+
+
+_DB_NOW = "phalanx.db_now"
 
 
 def _compare_and_set(session: Session, row: _Stateful, expected: str, values: dict[str, Any]) -> bool:
