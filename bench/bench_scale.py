@@ -2,7 +2,7 @@
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
                                 [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
-                                [--servers 1] [--heartbeat-server] [--json]
+                                [--servers 1] [--heartbeat-server] [--setting NAME=VALUE] [--json]
 
 A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
 process and one scheduler process, as `phalanx server` and `phalanx scheduler` run them. Everything
@@ -949,6 +949,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         settings = {"PHALANX_MAX_HELD_REQUESTS": str(args.agents + 256)}
         if args.worker_threads is not None:
             settings["PHALANX_WORKER_THREADS"] = str(args.worker_threads)
+        for setting in args.setting:
+            name, _, value = setting.partition("=")
+            settings[f"PHALANX_{name.upper()}"] = value
         env = postgres_env(database_url, Path(tmp) / "data", **settings)
         group = ProcessGroup(Path(tmp) / "logs", env)
         with keep_logs_on_failure(group.logs):
@@ -988,6 +991,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--worker-threads", type=int, default=None, help="the server's PHALANX_WORKER_THREADS (default: its own)"
+    )
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting of the server and scheduler (PHALANX_<NAME>), e.g. max_node_calls_in_flight=256",
     )
     parser.add_argument(
         "--servers", type=int, default=1, help="server processes (replicas); the agents are spread over them"

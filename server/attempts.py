@@ -111,7 +111,12 @@ def active_allocation(session: Session, job_id: int) -> Allocation | None:
 def find_node(session: Session, agent_id: int, allocation_id: int, node_rank: int) -> tuple[Allocation, AllocationNode]:
     """The node an agent reports on; 404 for an unknown one, 409 for another agent's."""
     allocation = session.scalars(
-        select(Allocation).where(Allocation.id == allocation_id).options(selectinload(Allocation.nodes))
+        select(Allocation)
+        .where(Allocation.id == allocation_id)
+        .options(selectinload(Allocation.nodes))
+        # as they are now, whatever this session loaded before (reports of one call move nodes by
+        # statement)
+        .execution_options(populate_existing=True)
     ).one_or_none()
     if allocation is None:
         raise NotFound(f"allocation {allocation_id} does not exist")
@@ -464,8 +469,12 @@ def record_node_exit(
     exit_code: int | None,
     reason: str,
     cause: str = "run",
+    job: Job | None = None,
 ) -> None:
-    job = lock_attempt(session, allocation)
+    """`job`: the allocation's job when the caller locked it (`lock_job`) before this transaction
+    read the allocation and its nodes; otherwise it is locked here, and they are read again."""
+    if job is None:
+        job = lock_attempt(session, allocation)
     if node.state == NodeState.EXITED.value:
         return  # idempotent: an agent retrying a report it already made
     _release(session, node, exit_code, reason)

@@ -15,7 +15,7 @@ other in a cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, TypeVar
@@ -42,13 +42,17 @@ APPLIED = ReportOutcome(status=204)
 T = TypeVar("T")
 
 
-def apply_report(session: Session, agent_id: int, report: NodeReport) -> None:
-    """One node report, in the caller's transaction; NotFound or Conflict when it is refused."""
+def apply_report(
+    session: Session, agent_id: int, report: NodeReport, locked_jobs: Mapping[int, Job] | None = None
+) -> None:
+    """One node report, in the caller's transaction; NotFound or Conflict when it is refused.
+    `locked_jobs`: the jobs the caller locked before this transaction read any of their attempts."""
     if isinstance(report, StartedReport):
         attempts.report_node_started(session, agent_id, report.allocation_id, report.node_rank)
     elif isinstance(report, ExitReport):
         allocation, node = attempts.find_node(session, agent_id, report.allocation_id, report.node_rank)
-        attempts.record_node_exit(session, allocation, node, report.exit_code, report.reason, report.cause)
+        job = (locked_jobs or {}).get(allocation.job_id)
+        attempts.record_node_exit(session, allocation, node, report.exit_code, report.reason, report.cause, job=job)
     elif isinstance(report, RendezvousReport):
         attempts.set_rendezvous(session, agent_id, report.allocation_id, report.master_port)
 
@@ -57,15 +61,17 @@ def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]
     """Each report in order, in the caller's transaction; one outcome per report. A run of started
     reports is applied together, set-based (`attempts.report_nodes_started`: it checks every node
     before it writes, so a refused one changes nothing); any other report in a savepoint of its own."""
-    _lock_jobs_of(session, {r.allocation_id for r in reports})
+    locked = _lock_jobs_of(session, {r.allocation_id for r in reports})
     outcomes: list[ReportOutcome] = []
     for is_started, run in groupby(reports, key=lambda r: isinstance(r, StartedReport)):
         if is_started:
             keys = [(r.allocation_id, r.node_rank) for r in run if isinstance(r, StartedReport)]
             refused = attempts.report_nodes_started(session, agent_id, keys)
             outcomes += [_refusal(refused[key]) for key in keys]
+            for job in locked.values():  # it moved them by statement: read again at next use
+                session.expire(job)
         else:
-            outcomes += _each(session, list(run), lambda report: apply_report(session, agent_id, report))
+            outcomes += _each(session, list(run), lambda report: apply_report(session, agent_id, report, locked))
     return outcomes
 
 
@@ -149,9 +155,13 @@ def store_log_batches(session: Session, agent_id: int, batches: Sequence[Allocat
     return [_refusal(refusal) for refusal in refusals]
 
 
-def _lock_jobs_of(session: Session, allocation_ids: set[int]) -> None:
+def _lock_jobs_of(session: Session, allocation_ids: set[int]) -> dict[int, Job]:
+    """The jobs of these allocations, read under their row locks (in id order), by id."""
     jobs = select(Allocation.job_id).where(Allocation.id.in_(allocation_ids)).scalar_subquery()
-    session.execute(select(Job.id).where(Job.id.in_(jobs)).order_by(Job.id).with_for_update()).all()
+    locked = session.scalars(
+        select(Job).where(Job.id.in_(jobs)).order_by(Job.id).with_for_update().execution_options(populate_existing=True)
+    )
+    return {job.id: job for job in locked}
 
 
 def _each(session: Session, items: Sequence[T], apply: Callable[[T], None]) -> list[ReportOutcome]:

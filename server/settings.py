@@ -103,8 +103,10 @@ class Settings(BaseSettings):
     # The agents' and ranks' calls waiting for or running on the agents' threads in one server
     # process; past it, their reports, lines and metric batches are refused 429 at the door
     # (`server/api/admission.py`): queued behind those threads, they timed out, came back, and
-    # crowded the heartbeats out.
-    max_node_calls_in_flight: int = Field(64, ge=1, le=100_000)
+    # crowded the heartbeats out. At least what those threads store in the refusal's Retry-After
+    # (1 s; ~150-250 calls at 1,000 agents): with 64, the queue drained while the refused waited,
+    # and the node-start storm lasted 135 s where it lasted 40 s with 256.
+    max_node_calls_in_flight: int = Field(256, ge=1, le=100_000)
     # How long an agent's long-poll for new work may hang before it returns unchanged (and the cap
     # on every other long-poll's wait).
     work_poll_seconds: float = Field(20.0, gt=0, le=300)

@@ -12,10 +12,11 @@ client of the server retries a 429 (`phalanx._retry`), and every one of these ca
 however often it is sent (batch ids, report outcomes).
 
 Contract: while `limit` calls of agents and ranks wait for or run on the agents' threads (counted
-by `in_agent_thread` in `AgentBacklog`), one more of these is answered 429 with a `Retry-After`
+by `in_agent_thread` and `MetricWriter.store` in `AgentBacklog`), one more of these is answered 429
+with a `Retry-After`
 and changes nothing. A call still sending its body, or still being authenticated, is not counted:
-counted from the door, 64 clients sending their bodies slowly on purpose kept every node's calls
-out. Heartbeats, registration, the work long-poll, checkpoints and
+counted from the door, as many clients as the limit, sending their bodies slowly on purpose, kept
+every node's calls out. Heartbeats, registration, the work long-poll, checkpoints and
 every person's request are never refused here. One per server process, used from its event loop.
 """
 

@@ -83,24 +83,38 @@ def test_a_streamed_huge_body_is_cut_off_and_memory_stays_flat(server: Stack) ->
     assert time.monotonic() - started < 10
 
 
-def test_bodies_trickled_in_never_keep_the_nodes_calls_out(server: Stack) -> None:
+@pytest.fixture
+def small_door(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
+    """A server that refuses node calls past 16 on its agents' threads."""
+    stack = Stack(tmp_path, clean_db, clean_redis, PHALANX_MAX_NODE_CALLS_IN_FLIGHT=str(DOOR))
+    try:
+        stack.start_server()
+        yield stack
+    finally:
+        stack.close()
+
+
+DOOR = 16
+
+
+def test_bodies_trickled_in_never_keep_the_nodes_calls_out(small_door: Stack) -> None:
     """Node calls are refused past a limit of calls on the agents' threads
     (`server/api/admission.py`). Counted from the door, more connections than that limit, each
     sending a node call's body slowly and with no credential, kept every node's calls out."""
     slow = []
     try:
-        for _ in range(80):  # past the default limit of 64
+        for _ in range(DOOR + 8):
             sock = send_headers(
-                server.port,
+                small_door.port,
                 "POST /api/v1/agents/1/logs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 "Content-Length: 1000\r\n\r\n{",
             )
             slow.append(sock)
         # every slow call has reached the app once the server has answered a request sent after them
-        with server.client() as client:
+        with small_door.client() as client:
             client.list_jobs()
         sock = send_headers(
-            server.port,
+            small_door.port,
             "POST /api/v1/allocations/1/metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
             "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
         )

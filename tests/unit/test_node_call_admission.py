@@ -121,7 +121,8 @@ def test_past_the_limit_a_nodes_call_is_refused_and_the_rest_go_through() -> Non
 
 
 def test_a_call_still_sending_its_body_holds_no_place() -> None:
-    """Counted from the door, 64 clients trickling their bodies in kept every node's call out."""
+    """Counted from the door, as many clients as the limit trickling their bodies in kept every
+    node's call out."""
 
     async def story() -> None:
         backlog = AgentBacklog()
