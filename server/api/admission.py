@@ -13,11 +13,11 @@ however often it is sent (batch ids, report outcomes).
 
 Contract: while `limit` calls of agents and ranks wait for or run on the agents' threads (counted
 by `in_agent_thread` and `MetricWriter.store` in `AgentBacklog`), one more of these is answered 429
-with a `Retry-After`
-and changes nothing. A call still sending its body, or still being authenticated, is not counted:
-counted from the door, as many clients as the limit, sending their bodies slowly on purpose, kept
-every node's calls out. Heartbeats, registration, the work long-poll, checkpoints and
-every person's request are never refused here. One per server process, used from its event loop.
+with a `Retry-After` and changes nothing. A call still sending its body, or still being
+authenticated, is not counted: counted from the door, as many clients as the limit, sending their
+bodies slowly on purpose, kept every node's calls out. Heartbeats, registration, the work
+long-poll, checkpoints and every person's request are never refused here. One per server process,
+used from its event loop.
 """
 
 from __future__ import annotations
