@@ -2,7 +2,8 @@
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
                                 [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
-                                [--servers 1] [--heartbeat-server] [--setting NAME=VALUE] [--json]
+                                [--servers 1] [--heartbeat-server | --people-server]
+                                [--setting NAME=VALUE] [--json]
 
 A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
 process and one scheduler process, as `phalanx server` and `phalanx scheduler` run them. Everything
@@ -33,7 +34,9 @@ else is simulated in this process with asyncio, no torch:
 With `--servers N`, N server processes (replicas) share the database and Redis; agent i talks to
 server i mod N, as round-robin DNS would spread them, and the admin, submitters and reader talk
 to the first; `server_rss_mb` is then the largest one's. With `--heartbeat-server`, one more
-replica serves the agents' heartbeats and nothing else (as a balancer's path rule would send them).
+replica serves the agents' heartbeats and nothing else (as a balancer's path rule would send them);
+with `--people-server`, that replica serves the people's calls too (the admin, the submitters and
+the reader), and the nodes' calls (work, reports, logs, metrics) have the others to themselves.
 
 Phases: register the agents, submit the backlog, release it and time the fill (allocations counted
 in the database every 0.1 s until the count stops rising for 2 s or the cluster is full:
@@ -598,8 +601,10 @@ class Simulation:
         self.tally = Tally()
         self.apis = [Api(url, self.tally) for url in urls]
         self.heartbeat_api = None if heartbeat_url is None else Api(heartbeat_url, self.tally)
-        self.probe = ProbeProcess(urls[0], heartbeat_url or urls[0])
-        self.api = self.apis[0]  # the admin's, the submitters' and the reader's
+        people_url = heartbeat_url if args.people_server and heartbeat_url else urls[0]
+        self.probe = ProbeProcess(people_url, heartbeat_url or urls[0])
+        # the admin's, the submitters' and the reader's
+        self.api = self.heartbeat_api if args.people_server and self.heartbeat_api else self.apis[0]
         self.dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
         self.pids = pids
         self.agents = [SimulatedAgent(self, i) for i in range(args.agents)]
@@ -861,6 +866,7 @@ class Simulation:
             "agents": args.agents,
             "servers": args.servers,
             "heartbeat_server": args.heartbeat_server,
+            "people_server": args.people_server,
             "slots_per_agent": args.slots,
             "jobs_stored": self.stored_jobs,
             "register_s": round(registered_s, 1),
@@ -957,7 +963,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with keep_logs_on_failure(group.logs):
             try:
                 urls = [start_server(group, free_port(), f"server{i or ''}") for i in range(args.servers)]
-                beats = start_server(group, free_port(), "server-heartbeats") if args.heartbeat_server else None
+                beats = (
+                    start_server(group, free_port(), "server-heartbeats")
+                    if args.heartbeat_server or args.people_server
+                    else None
+                )
                 group.spawn("scheduler", "scheduler")
 
                 def pids() -> dict[str, int]:
@@ -1006,6 +1016,12 @@ def main() -> None:
         "--heartbeat-server",
         action="store_true",
         help="one more replica that serves every agent's heartbeats and nothing else, as a balancer's path rule would",
+    )
+    parser.add_argument(
+        "--people-server",
+        action="store_true",
+        help="as --heartbeat-server, and that replica serves the people's calls too (the admin, the submitters, "
+        "the reader): the nodes' calls alone on the others",
     )
     parser.add_argument(
         "--probed-agents",

@@ -78,6 +78,26 @@ def test_batches_that_arrive_during_a_write_share_the_next_group() -> None:
     run(story())
 
 
+def test_a_second_group_is_written_beside_the_first() -> None:
+    """Two ranks' large batches at once are written by two transactions at once, as before the
+    groups (one COPY keeps one PostgreSQL core busy)."""
+
+    async def story() -> None:
+        with ThreadPoolExecutor(2) as threads:
+            writer = RecordingWriter(threads, AgentBacklog())
+            stores = [asyncio.create_task(writer.store(batch("first")))]
+            await asyncio.get_running_loop().run_in_executor(None, writer.writing.wait, 10)
+            stores.append(asyncio.create_task(writer.store(batch("second"))))
+            while len(writer.groups) < 2:  # written while the first is still being written
+                await asyncio.sleep(0.01)
+            stores.append(asyncio.create_task(writer.store(batch("third"))))
+            writer.release.set()
+            assert await asyncio.gather(*stores) == [None] * 3
+            assert writer.groups == [["first"], ["second"], ["third"]]
+
+    run(story())
+
+
 def test_a_failed_group_is_written_again_batch_by_batch() -> None:
     async def story() -> None:
         with ThreadPoolExecutor(2) as threads:
