@@ -277,24 +277,14 @@ def token_for(session: Session, principal: Principal, token_id: int) -> ApiToken
 def may_report_for(session: Session, principal: Principal, allocation_id: int) -> None:
     """A rank's token reports for its own allocation only; an agent's for those it hosts a node of
     (the rank's check reads nothing: it runs on every metric batch)."""
-    if principal.kind == "rank":
-        if principal.allocation_id != allocation_id:
-            raise Forbidden(
-                f"this token belongs to allocation {principal.allocation_id}, not to allocation {allocation_id}"
-            )
-        return
-    hosted = session.execute(
-        select(AllocationNode.id)
-        .where(AllocationNode.allocation_id == allocation_id, AllocationNode.agent_id == principal.agent_id)
-        .limit(1)
-    ).first()
-    if principal.agent_id is None or hosted is None:
-        raise Forbidden(f"allocation {allocation_id} has no node on this agent; an agent reports only for its own")
+    (refusal,) = may_report_for_each(session, [(principal, allocation_id)])
+    if refusal is not None:
+        raise refusal
 
 
 def may_report_for_each(session: Session, requests: Sequence[tuple[Principal, int]]) -> list[Forbidden | None]:
-    """`may_report_for` for many (principal, allocation id), in one query at most: for each, None
-    or why it may not."""
+    """`may_report_for` for many (principal, allocation id), in one query at most (none for ranks'
+    tokens): for each, None or why it may not."""
     agents = {principal.agent_id for principal, _ in requests if principal.kind != "rank" and principal.agent_id}
     hosted: set[tuple[int, int]] = set()
     if agents:

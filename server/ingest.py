@@ -110,17 +110,13 @@ def batch_identity(batch_id: str | None, raw: bytes) -> str:
     return "body-" + hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def first_delivery(session: Session, table: type[MetricBatch | LogBatch], allocation_id: int, batch_id: str) -> bool:
-    """Record a batch's id in `table` (MetricBatch or LogBatch); False when it was recorded before
-    (the sender retried a batch whose answer it lost). The primary key decides, so two deliveries
-    racing on two connections store it once too: the second waits for the first's commit."""
-    return bool(first_deliveries(session, table, [(allocation_id, batch_id)]))
-
-
 def first_deliveries(
     session: Session, table: type[MetricBatch | LogBatch], batches: Collection[tuple[int, str]]
 ) -> set[tuple[int, str]]:
-    """`first_delivery` for many (allocation id, batch id) in one statement: those recorded now."""
+    """Record each (allocation id, batch id) in `table` (MetricBatch or LogBatch), in one
+    statement; those recorded now. One recorded before is left out: its sender retried a batch
+    whose answer it lost. The primary key decides, so two deliveries racing on two connections
+    store it once too: the second waits for the first's commit."""
     if not batches:
         return set()
     dialect = session.get_bind().dialect.name
