@@ -111,9 +111,9 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
         token_cache=token_cache,
         token_lookups=TokenLookups(sessions, token_cache, auth_thread),
         auth_thread=auth_thread,
-        metric_writer=MetricWriter(sessions, agent_threads, agent_backlog),
         agent_threads=agent_threads,
         agent_backlog=agent_backlog,
+        metric_writer=MetricWriter(sessions, agent_threads, agent_backlog),
     )
     install_services(app, services)
     install_handlers(app, pages=dashboard_render.error_page)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, FastAPI, Path, Query, Request
@@ -48,14 +48,13 @@ class Services:
     # declared lost.
     token_lookups: TokenLookups
     auth_thread: ThreadPoolExecutor
-    metric_writer: MetricWriter  # the ranks' metric batches, written in groups on the agents' threads
     # The agents' and ranks' calls run on threads of their own (`in_agent_thread`), never ahead of
     # a person's request on the worker threads.
-    agent_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="agents")
-    )
+    agent_threads: ThreadPoolExecutor
     # what waits for or runs on them: past a limit, the door refuses more (`server/api/admission.py`)
-    agent_backlog: AgentBacklog = field(default_factory=AgentBacklog)
+    agent_backlog: AgentBacklog
+    # the ranks' metric batches, written in groups on those threads and counted in that backlog
+    metric_writer: MetricWriter
 
 
 async def in_agent_thread(services: Services, work: Callable[[], T]) -> T:
