@@ -22,14 +22,20 @@ else is simulated in this process with asyncio, no torch:
   once; later a submitter tops the queue up so that it never runs dry.
 - A reader asks for the jobs list (newest 100) and one random job, alternately, 10 times a second,
   and the agents list once a second.
-- The probe: a process of its own sends the agents' heartbeats (`--probed-agents`: all by
-  default) and the reader's requests, and times them (`Probe`), as each real agent heartbeats
-  from a thread of its own. The simulator's one event loop, busy with every agent's nodes, runs a
+- The probe: a process of its own sends the heartbeats of `--probed-agents` of the agents (50 by
+  default, spread evenly over them) and the reader's requests, and times them (`Probe`). A second
+  process, the beater, sends every other agent's heartbeats, as each real agent heartbeats from a
+  thread of its own: the simulator's one event loop, busy with every agent's nodes, runs a
   callback 100-250 ms late in the node-start storm and stalls for seconds when a minute later
-  7,000 nodes send their first metric batches: its agents' heartbeats waited past the server's
-  timeout, and the server declared agents lost that the probe's process kept alive (in one run
-  381 of the simulator's 980 and none of the probe's 20). With `--probed-agents N`, the other
-  agents heartbeat from the simulator's loop, timed there (`heartbeat_p99_ms_in_simulator`).
+  7,000 nodes send their first metric batches (its agents' heartbeats waited past the server's
+  timeout, and the server declared agents lost that the probe's process kept alive). A probe that
+  sent all 1,000 agents' heartbeats itself ran its own timers 50-70 ms late at p99, and every
+  latency it timed included that; the beater's own timing (`heartbeat_p99_ms_in_beater`) still
+  does (`beater_loop_lag_p99_ms`).
+- The floor: the probe also sends a heartbeat's twin, 10 a second over 20 kept-alive connections,
+  to a server of its own that answers 204 and does nothing else (`bench/floor_server.py`):
+  `floor_p99_ms` is what the loaded machine adds to any call, the server's own share of a
+  heartbeat's latency is what lies above it.
 
 With `--servers N`, N server processes (replicas) share the database and Redis; agent i talks to
 server i mod N, as round-robin DNS would spread them, and the admin, submitters and reader talk
@@ -61,6 +67,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -110,6 +117,9 @@ TEAM = "scale"
 HEARTBEAT_INTERVAL_S = 2.0  # the agents' default (worker_agent.agent.AgentConfig)
 WORK_WAIT_S = 20.0  # the agents' long-poll, capped by the server's work_poll_seconds
 READS_PER_S = 10.0
+# The floor server's callers (`bench/floor_server.py`): as many kept-alive connections as this,
+# each calling every heartbeat interval, as that many agents' heartbeat threads do.
+FLOOR_CALLERS = 20
 RECONNECTS = 2
 REFUSED_RETRY_S = 120.0  # how long a call refused with 429 is sent again, as the clients' retries run
 LOG_SHIP_INTERVAL_S = 1.0  # the agent's (worker_agent.agent.SHIP_INTERVAL_S)
@@ -264,8 +274,7 @@ class SimulatedAgent:
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim = sim
         self.api = sim.apis[index % len(sim.apis)]  # agents spread over the servers, as DNS would
-        self.beats_to = sim.heartbeat_api or self.api
-        # its heartbeats come from the probe's process (`Probe`)
+        # its heartbeats come from the probe's process or the beater's (`Probe`)
         probed = min(sim.args.probed_agents, sim.args.agents)
         stride = max(1, sim.args.agents // max(1, probed))
         self.probed = index % stride == 0 and index // stride < probed
@@ -295,20 +304,6 @@ class SimulatedAgent:
             },
         )
         self.agent_id, self.token = answer["id"], answer["agent_token"]
-
-    async def heartbeats(self) -> None:
-        while True:
-            began = time.monotonic()
-            try:
-                await self.beats_to.call("heartbeat", "POST", f"/agents/{self.agent_id}/heartbeat", self.token)
-            except ApiFailed as exc:
-                self.sim.note_error("heartbeat", exc)
-                if exc.status == 409:  # declared lost: register again, as the agent does
-                    self.sim.reregistered += 1
-                    await self.register()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                self.sim.note_error("heartbeat", exc)
-            await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
 
     async def report(self, body: dict[str, Any]) -> int:
         """The status of one node report, sent in the agent's next call of reports."""
@@ -476,10 +471,11 @@ class Probe:
     the same either way: every agent heartbeats, and the reads are the reader's. An agent the
     server declares lost is counted, not registered again."""
 
-    def __init__(self, url: str, beats_url: str, commands: Connection) -> None:
-        self.url, self.beats_url, self.commands = url, beats_url, commands
+    def __init__(self, url: str, beats_url: str, floor_url: str | None, commands: Connection) -> None:
+        """`floor_url`: None in the beater, which sends heartbeats and nothing else."""
+        self.url, self.beats_url, self.floor_url, self.commands = url, beats_url, floor_url, commands
         self.tally = Tally()
-        self.tally.recording |= {"heartbeat", "probe loop lag"}
+        self.tally.recording |= {"heartbeat", "floor", "probe loop lag"}
         self.errors: dict[str, int] = defaultdict(int)
         self.lost: set[int] = set()  # agents whose heartbeat was answered 409: declared lost
         self.newest_job = 1
@@ -487,6 +483,8 @@ class Probe:
     async def run(self) -> None:
         self.api = Api(self.url, self.tally)
         tasks = [asyncio.create_task(self.loop_lag())]
+        if self.floor_url is not None:
+            tasks += [asyncio.create_task(self.floor(i)) for i in range(FLOOR_CALLERS)]
         while True:
             command = await asyncio.get_running_loop().run_in_executor(None, self.commands.recv)
             if command[0] == "agent":
@@ -526,6 +524,22 @@ class Probe:
         finally:
             await beats.close()
 
+    async def floor(self, caller: int) -> None:
+        """A heartbeat's twin sent to the floor server, which answers it without doing anything."""
+        assert self.floor_url is not None
+        calls = Api(self.floor_url, self.tally, connections=1)
+        await asyncio.sleep(caller * HEARTBEAT_INTERVAL_S / FLOOR_CALLERS)  # spread, as the agents' beats are
+        try:
+            while True:
+                began = time.monotonic()
+                try:
+                    await calls.call("floor", "POST", f"/agents/{caller + 1}/heartbeat", "floor")
+                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                    self.note_error("floor", exc)
+                await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
+        finally:
+            await calls.close()
+
     async def reader(self) -> None:
         tick = 0
         while True:
@@ -555,18 +569,18 @@ class Probe:
             self.tally.note("probe loop lag", 200, max(0.0, time.perf_counter() - began - 0.05))
 
 
-def _run_probe(url: str, beats_url: str, commands: Connection) -> None:
-    asyncio.run(Probe(url, beats_url, commands).run())
+def _run_probe(url: str, beats_url: str, floor_url: str | None, commands: Connection) -> None:
+    asyncio.run(Probe(url, beats_url, floor_url, commands).run())
 
 
 class ProbeProcess:
     """The simulator's side of the probe: agents to heartbeat, when reads begin, and at the end its
     latencies."""
 
-    def __init__(self, url: str, beats_url: str) -> None:
+    def __init__(self, url: str, beats_url: str, floor_url: str | None) -> None:
         context = multiprocessing.get_context("spawn")  # not a fork of a process with a running loop
         self._commands, theirs = context.Pipe()
-        self._process = context.Process(target=_run_probe, args=(url, beats_url, theirs), daemon=True)
+        self._process = context.Process(target=_run_probe, args=(url, beats_url, floor_url, theirs), daemon=True)
         self.errors: dict[str, int] = {}
         self.lost = 0  # agents whose heartbeats the probe sent that were declared lost
 
@@ -595,6 +609,7 @@ class Simulation:
         urls: list[str],
         database_url: str,
         pids: Callable[[], dict[str, int]],
+        floor_url: str,
         heartbeat_url: str | None = None,
     ) -> None:
         self.args = args
@@ -602,7 +617,8 @@ class Simulation:
         self.apis = [Api(url, self.tally) for url in urls]
         self.heartbeat_api = None if heartbeat_url is None else Api(heartbeat_url, self.tally)
         people_url = heartbeat_url if args.people_server and heartbeat_url else urls[0]
-        self.probe = ProbeProcess(people_url, heartbeat_url or urls[0])
+        self.probe = ProbeProcess(people_url, heartbeat_url or urls[0], floor_url)
+        self.beater = ProbeProcess(people_url, heartbeat_url or urls[0], None)
         # the admin's, the submitters' and the reader's
         self.api = self.heartbeat_api if args.people_server and self.heartbeat_api else self.apis[0]
         self.dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
@@ -612,7 +628,6 @@ class Simulation:
         self.errors: dict[str, int] = defaultdict(int)
         self.error_examples: dict[str, str] = {}
         self.completed_nodes = 0
-        self.reregistered = 0  # agents declared lost that registered again
         self.submitted = 0
         self.rss_mb = 0.0
         self.released_at = 0.0  # time.monotonic() when the backlog was released
@@ -636,10 +651,7 @@ class Simulation:
 
         async def one(agent: SimulatedAgent) -> None:
             await agent.register()
-            if agent.probed:
-                self.probe.send(("agent", agent.agent_id, agent.token))
-            else:
-                self.spawn(agent.heartbeats())
+            (self.probe if agent.probed else self.beater).send(("agent", agent.agent_id, agent.token))
             self.spawn(agent.work())
             self.spawn(agent.reporter())
             self.spawn(agent.shipper())
@@ -764,27 +776,18 @@ class Simulation:
                 await asyncio.wait_for(stop.wait(), 3.0)
 
     async def progress(self, stop: asyncio.Event) -> None:
-        """Every 10 s on stderr: the heartbeats' latency since the last line, active agents, jobs."""
-        seen = 0
+        """Every 10 s on stderr: the calls sent, active agents, attempts running, jobs submitted."""
         calls_before: dict[str, int] = {}
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), PROGRESS_S)
-            latencies = self.tally.latencies["heartbeat"][seen:]
-            seen += len(latencies)
             active = await self.count("SELECT count(*) FROM agents WHERE state = 'ACTIVE'")
             running = await self.count("SELECT count(*) FROM allocations WHERE active")
             calls = {k: v - calls_before.get(k, 0) for k, v in self.tally.calls.items()}
             calls_before = dict(self.tally.calls)
             log(f"calls in the last {PROGRESS_S:.0f} s: {calls}")
-            beats = (  # none when every agent heartbeats from the probe's process, which times them
-                f"heartbeats {len(latencies)} (p50 {percentile(latencies, 0.5) or 0:.0f} ms, "
-                f"p99 {percentile(latencies, 0.99) or 0:.0f} ms); "
-                if latencies
-                else ""
-            )
             log(
-                f"{beats}{active} agents active; {running} attempts running; {self.submitted} jobs submitted; "
+                f"{active} agents active; {running} attempts running; {self.submitted} jobs submitted; "
                 f"errors {dict(self.errors)}"
             )
 
@@ -811,9 +814,10 @@ class Simulation:
         await self.admin("POST", "/teams", json={"name": TEAM})
         await self.admin("POST", f"/teams/{TEAM}/hold")
         self.probe.start()
+        self.beater.start()
         registered_s = await self.register_agents()
         log(f"{args.agents} agents registered in {registered_s:.1f} s")
-        self.tally.recording |= {"heartbeat", "simulator loop lag"}
+        self.tally.recording |= {"simulator loop lag"}
         stop = asyncio.Event()
         self.spawn(self.watch_rss(stop))
         self.spawn(self.watch_loop_lag(stop))
@@ -847,11 +851,13 @@ class Simulation:
         for api in [*self.apis, *([self.heartbeat_api] if self.heartbeat_api else [])]:
             await api.close()
         probed = await self.probe.results()
-        for name, count in probed.statuses.items():
-            self.tally.statuses[name] += count
-        for name, count in self.probe.errors.items():
-            self.errors[name] += count
-        heartbeats = len(self.tally.latencies["heartbeat"]) + len(probed.latencies["heartbeat"])
+        beaten = await self.beater.results()
+        for process, tally in ((self.probe, probed), (self.beater, beaten)):
+            for name, count in tally.statuses.items():
+                self.tally.statuses[name] += count
+            for name, count in process.errors.items():
+                self.errors[name] += count
+        heartbeats = len(beaten.latencies["heartbeat"]) + len(probed.latencies["heartbeat"])
         reads = probed.latencies["jobs list"] + probed.latencies["job show"]
         steady_ended = time.monotonic()
         phases = {
@@ -873,14 +879,19 @@ class Simulation:
             "submit_per_s": round(args.jobs / submit_s, 1),
             **fill,
             "heartbeats": heartbeats,
-            "agents_declared_lost": self.reregistered + self.probe.lost,
-            # timed by the probe's process (`Probe`); the simulator's own timing of the agents it
-            # heartbeats for (`--probed-agents` fewer than all) includes its loop's lag
+            "agents_declared_lost": self.probe.lost + self.beater.lost,
+            # timed by the probe's process (`Probe`), the `--probed-agents` agents' heartbeats
             "heartbeat_p50_ms": probed.p("heartbeat", 0.5),
             "heartbeat_p99_ms": probed.p("heartbeat", 0.99),
             # one beat later than the server's timeout (10 s) and its agent is declared lost
             "heartbeat_max_ms": probed.p("heartbeat", 1.0),
-            "heartbeat_p99_ms_in_simulator": self.tally.p("heartbeat", 0.99),
+            # the other agents' heartbeats, timed by the beater, whose loop's lag they include
+            "heartbeat_p99_ms_in_beater": beaten.p("heartbeat", 0.99),
+            "beater_loop_lag_p99_ms": beaten.p("probe loop lag", 0.99),
+            # the same call answered by a server that does nothing (`bench/floor_server.py`): what
+            # the machine, as loaded, adds to any call; a heartbeat's time above it is the server's
+            "floor_p50_ms": probed.p("floor", 0.5),
+            "floor_p99_ms": probed.p("floor", 0.99),
             # how late each process's event loop ran a 50 ms timer: part of every latency it times
             "simulator_loop_lag_p99_ms": self.tally.p("simulator loop lag", 0.99),
             "probe_loop_lag_p99_ms": probed.p("probe loop lag", 0.99),
@@ -894,6 +905,7 @@ class Simulation:
                     "s": round(ended - began, 1),
                     "heartbeat_p50_ms": probed.p_between(("heartbeat",), 0.5, began, ended),
                     "heartbeat_p99_ms": probed.p_between(("heartbeat",), 0.99, began, ended),
+                    "floor_p99_ms": probed.p_between(("floor",), 0.99, began, ended),
                     "api_p50_ms": probed.p_between(("jobs list", "job show"), 0.5, began, ended),
                     "api_p99_ms": probed.p_between(("jobs list", "job show"), 0.99, began, ended),
                 }
@@ -929,7 +941,7 @@ class Simulation:
         roots = [(name.rstrip("0123456789"), pid) for name, pid in self.pids().items()]
         roots.append(("simulator", os.getpid()))
         for name, pid in roots:
-            if name not in ("server", "server-heartbeats", "scheduler", "simulator"):
+            if name not in ("server", "server-heartbeats", "scheduler", "simulator", "floor"):
                 continue
             try:
                 t = psutil.Process(pid).cpu_times()
@@ -947,6 +959,22 @@ def met(result: dict[str, Any]) -> dict[str, bool]:
         value = result.get(key)
         verdicts[key] = value is not None and (value >= goal if op == ">=" else value <= goal)
     return verdicts
+
+
+def start_floor_server(group: ProcessGroup, port: int) -> str:
+    url = f"http://127.0.0.1:{port}"
+    script = Path(__file__).with_name("floor_server.py")
+    group.supervisor.spawn("floor", [sys.executable, str(script), "--port", str(port)])
+
+    def answers() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    group.wait_until(answers, 60, f"the floor server to answer on {url}")
+    return url
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -969,12 +997,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     else None
                 )
                 group.spawn("scheduler", "scheduler")
+                floor = start_floor_server(group, free_port())
 
                 def pids() -> dict[str, int]:
                     return {name: popen.pid for name, popen in group.supervisor.children.items()}
 
                 async def simulate() -> dict[str, Any]:  # aiohttp binds to the running loop
-                    return await Simulation(args, urls, database_url, pids, beats).run()
+                    return await Simulation(args, urls, database_url, pids, floor, beats).run()
 
                 result = asyncio.run(simulate())
                 group.check()
@@ -1026,9 +1055,9 @@ def main() -> None:
     parser.add_argument(
         "--probed-agents",
         type=int,
-        default=1_000_000,
-        help="of the agents, how many heartbeat from the probe's process (default: all, as each real agent "
-        "heartbeats from a thread of its own); the others from the simulator's loop, behind their nodes' work",
+        default=50,
+        help="of the agents, how many heartbeat from the probe's process, which times them; the others from the "
+        "beater's (a process of its own, as each real agent heartbeats from a thread of its own)",
     )
     parser.add_argument(
         "--keep-logs", type=Path, default=None, help="copy the stack's logs into this folder at the end"

@@ -157,7 +157,7 @@ class Stack:
 
     def close(self) -> None:
         # agents first: they stop their workers and report while the servers still listen
-        control_plane = ("server", "scheduler")
+        control_plane = ("server", "scheduler", "balancer")
         self.supervisor.close(order=[name for name in self.procs if not name.startswith(control_plane)])
 
 

@@ -34,9 +34,22 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
+BALANCER_ROUTES = REPO / "deploy" / "Caddyfile"
 
 # What a deployment needs; the brief of docker-compose.yml.
-REQUIRED_SERVICES = {"postgres", "redis", "migrate", "server", "balancer", "scheduler", "agent-1", "agent-2"}
+REQUIRED_SERVICES = {
+    "postgres",
+    "redis",
+    "migrate",
+    "server",
+    "server-nodes",
+    "balancer",
+    "scheduler",
+    "agent-1",
+    "agent-2",
+}
+# The server's two pools behind the balancer: the people's calls and heartbeats, the nodes' calls.
+SERVERS = ("server", "server-nodes")
 ONE_SHOT = "migrate"
 # Secrets that must come from the environment, never from a default in the file.
 REQUIRED_SECRETS = ("PHALANX_ADMIN_TOKEN", "PHALANX_AGENT_TOKEN")
@@ -210,7 +223,7 @@ def cli_help(path: Command) -> subprocess.CompletedProcess[str]:
 
 def test_every_phalanx_service_runs_a_command_and_options_the_cli_has(services: dict[str, dict[str, Any]]) -> None:
     ours = built_here(services)
-    assert {"migrate", "server", "scheduler", "agent-1", "agent-2"} <= set(ours)
+    assert {"migrate", *SERVERS, "scheduler", "agent-1", "agent-2"} <= set(ours)
     commands = {name: split_command(argv_of(service)) for name, service in ours.items()}
     for name, (path, _) in commands.items():
         assert path, f"{name} has no `command`: the image's default only prints help"
@@ -329,7 +342,8 @@ def test_components_start_after_the_migration_and_agents_after_the_server(
             assert reached.get(ONE_SHOT) == "service_completed_successfully", f"{name} may start before migrations"
             assert reached.get("redis") == "service_healthy", f"{name} may start before Redis answers"
         if path == ("agent",):
-            assert reached.get("server") == "service_healthy", f"{name} may start before the server answers"
+            for pool in SERVERS:
+                assert reached.get(pool) == "service_healthy", f"{name} may start before {pool} answers"
         if path == MIGRATION:
             assert reached.get("postgres") == "service_healthy", f"{name} may run before PostgreSQL answers"
 
@@ -343,25 +357,42 @@ def test_the_one_shot_migration_is_not_restarted(services: dict[str, dict[str, A
 
 
 def test_server_port_healthcheck_and_agents_agree(services: dict[str, dict[str, Any]]) -> None:
-    server = services["server"]
-    path, options = split_command(argv_of(server))
-    assert path == ("server",)
-    assert options.get("--host") == "0.0.0.0", "in a container the server must listen on every interface"
-    port = options.get("--port", "8000")
+    ports = set()
+    for name in SERVERS:
+        server = services[name]
+        path, options = split_command(argv_of(server))
+        assert path == ("server",), f"{name} runs `phalanx {' '.join(path)}`"
+        assert options.get("--host") == "0.0.0.0", f"in a container {name} must listen on every interface"
+        port = options.get("--port", "8000")
+        ports.add(port)
+        # Clients and agents reach the replicas through the balancer, which publishes the port.
+        assert "ports" not in server, f"a scaled {name} cannot publish one host port: the balancer publishes it"
+        test = server["healthcheck"]["test"]
+        probe = test if isinstance(test, str) else " ".join(test)
+        assert f":{port}/healthz" in probe, f"{name}'s healthcheck must query /healthz on port {port}: {probe}"
+        assert "urllib" in probe, "the slim image has no curl: probe with python -c urllib"
+    assert len(ports) == 1, f"the server pools listen on different ports: {sorted(ports)}"
+    (port,) = ports
 
-    # Clients and agents reach the replicas through the balancer, which publishes the port.
-    assert "ports" not in server, "a scaled server cannot publish one host port: the balancer publishes it"
+    # The balancer runs deploy/Caddyfile (tests/e2e/test_call_classes.py runs it with real Caddy),
+    # with each pool's replicas named by the variables that file reads.
     balancer = services["balancer"]
-    assert argv_of(balancer)[-2:] == ["--to", f"server:{port}"], f"the balancer must proxy to server:{port}"
+    argv = argv_of(balancer)
+    config = argv[argv.index("--config") + 1]
+    mounts = dict(reversed(str(v).split(":")[:2]) for v in balancer.get("volumes", []))
+    assert config in mounts, f"the balancer reads {config}, which no volume mounts"
+    assert (COMPOSE_FILE.parent / mounts[config]).resolve() == BALANCER_ROUTES, f"{config} is not deploy/Caddyfile"
+    env = environment_of(balancer)
+    assert env.get("PEOPLE_SERVERS") == f"server:{port}", "the balancer must send the people's calls to server"
+    assert env.get("NODE_SERVERS") == f"server-nodes:{port}", "the balancer must send the nodes' calls to server-nodes"
+    read = set(re.findall(r"\{\$([A-Z_]+)", BALANCER_ROUTES.read_text()))
+    assert set(env) <= read, f"the balancer sets {sorted(set(env) - read)}, which deploy/Caddyfile never reads"
     published = [str(p).rsplit(":", 1)[-1] for p in balancer.get("ports", [])]
     assert published, "the balancer publishes no port"
-    listen = argv_of(balancer)[argv_of(balancer).index("--from") + 1].rsplit(":", 1)[-1]
+    listen = env.get("BALANCER_PORT", "8000")
     assert listen in published, f"the balancer listens on {listen} but publishes {published}"
-
-    test = server["healthcheck"]["test"]
-    probe = test if isinstance(test, str) else " ".join(test)
-    assert f":{port}/healthz" in probe, f"the healthcheck must query /healthz on port {port}: {probe}"
-    assert "urllib" in probe, "the slim image has no curl: probe with python -c urllib"
+    for name in SERVERS:
+        assert depends_on(balancer).get(name) == "service_healthy", f"the balancer may start before {name} answers"
 
     names = []
     for name, service in built_here(services).items():
@@ -383,10 +414,11 @@ def test_named_volumes_are_declared(compose: dict[str, Any], services: dict[str,
                 source = volume.split(":", 1)[0] if ":" in volume else ""
             if source and not source.startswith((".", "/", "~", "$")):
                 assert source in declared, f"{name} mounts volume {source}, which `volumes:` does not declare"
-    data_dir = environment_of(services["server"]).get("PHALANX_DATA_DIR")
-    assert data_dir and any(str(v).endswith(f":{data_dir}") for v in services["server"].get("volumes", [])), (
-        f"the server keeps uploaded bundles under PHALANX_DATA_DIR={data_dir}: it needs a volume there"
-    )
+    for pool in SERVERS:
+        data_dir = environment_of(services[pool]).get("PHALANX_DATA_DIR")
+        assert data_dir and any(str(v).endswith(f":{data_dir}") for v in services[pool].get("volumes", [])), (
+            f"{pool} keeps uploaded bundles under PHALANX_DATA_DIR={data_dir}: it needs a volume there"
+        )
 
 
 # --- (d) the end-to-end tests start the same commands ---------------------------------------------
