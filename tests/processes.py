@@ -177,12 +177,20 @@ def processes_of_allocation(stack: Stack, allocation_id: int) -> list[int]:
 
 
 @contextmanager
-def two_agent_stack(tmp: Path, database_url: str, broker_url: str, cpu_slots: int = 1, **env: str) -> Iterator[Stack]:
+def two_agent_stack(
+    tmp: Path,
+    database_url: str,
+    broker_url: str,
+    cpu_slots: int = 1,
+    start_servers: Callable[[Stack], None] = Stack.start_server,
+    **env: str,
+) -> Iterator[Stack]:
     """Server, scheduler and two agents of `cpu_slots` slots (node-a, node-b), registered; stopped
-    on the way out, their logs printed when the body raises."""
+    on the way out, their logs printed when the body raises. `start_servers`: what answers on the
+    stack's URL (one server by default)."""
     stack = Stack(tmp, database_url, broker_url, **env)
     try:
-        stack.start_server()
+        start_servers(stack)
         stack.start_scheduler()
         stack.start_agent("node-a", cpu_slots=cpu_slots)
         stack.start_agent("node-b", cpu_slots=cpu_slots)

@@ -16,7 +16,7 @@ from phalanx.client import Client, load_job_file
 from phalanx.schemas import JobState
 from tests.e2e.test_fault_tolerance import SCRIPTED, assert_each_step_once
 from tests.integration.test_call_classes import BALANCER_ROUTES, balancer_rule
-from tests.processes import Stack, free_port, wait_for
+from tests.processes import Stack, free_port, two_agent_stack, wait_for
 
 pytestmark = pytest.mark.e2e
 CADDY = shutil.which("caddy") or "/usr/bin/caddy"
@@ -25,46 +25,39 @@ POOLS = ("server-people", "server-nodes")
 ACCESS = re.compile(r'"([A-Z]+) (/\S*) HTTP/1\.1" ([0-9]{3})')
 
 
-@pytest.fixture
-def split(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
-    """Both pools, one server each, behind Caddy on the stack's URL; a scheduler and two agents
-    that reach the servers only through Caddy."""
+def start_pools_behind_caddy(stack: Stack) -> None:
+    """Both pools, one server each, behind Caddy on the stack's URL."""
     if not Path(CADDY).exists():
         pytest.fail(f"no Caddy at {CADDY}: apt-get install caddy (.ci/run does)")
-    stack = Stack(tmp_path, clean_db, clean_redis)
     ports = {name: free_port() for name in POOLS}
+    for name, port in ports.items():
+        stack.start_server(name=name, port=port)
     balancer_env = {
         **stack.env,
         "BALANCER_PORT": str(stack.port),
         "BALANCER_BIND": "127.0.0.1",
         "PEOPLE_SERVERS": f"127.0.0.1:{ports['server-people']}",
         "NODE_SERVERS": f"127.0.0.1:{ports['server-nodes']}",
-        "XDG_CONFIG_HOME": str(tmp_path / "caddy"),
-        "XDG_DATA_HOME": str(tmp_path / "caddy"),
+        "XDG_CONFIG_HOME": str(stack.tmp / "caddy"),
+        "XDG_DATA_HOME": str(stack.tmp / "caddy"),
     }
-    try:
-        for name, port in ports.items():
-            stack.start_server(name=name, port=port)
-        caddy = [CADDY, "run", "--config", str(BALANCER_ROUTES), "--adapter", "caddyfile"]
-        balancer = stack.supervisor.spawn("balancer", caddy, env=balancer_env)
-        with Client(stack.url, "") as through_balancer:
+    caddy = [CADDY, "run", "--config", str(BALANCER_ROUTES), "--adapter", "caddyfile"]
+    balancer = stack.supervisor.spawn("balancer", caddy, env=balancer_env)
+    with Client(stack.url, "") as through_balancer:
 
-            def answered() -> bool:
-                if balancer.poll() is not None:
-                    raise AssertionError(f"Caddy exited with {balancer.returncode}:\n{stack.log('balancer')[-3000:]}")
-                return through_balancer.healthy()
+        def answered() -> bool:
+            if balancer.poll() is not None:
+                raise AssertionError(f"Caddy exited with {balancer.returncode}:\n{stack.log('balancer')[-3000:]}")
+            return through_balancer.healthy()
 
-            wait_for(answered, 30, "Caddy to pass /healthz on")
-        stack.start_scheduler()
-        stack.start_agent("node-a")
-        stack.start_agent("node-b")
-        stack.wait_agents(2)
+        wait_for(answered, 30, "Caddy to pass /healthz on")
+
+
+@pytest.fixture
+def split(clean_db: str, clean_redis: str, tmp_path: Path) -> Iterator[Stack]:
+    """The pools behind Caddy; a scheduler and two agents that reach the servers only through it."""
+    with two_agent_stack(tmp_path, clean_db, clean_redis, start_servers=start_pools_behind_caddy) as stack:
         yield stack
-    except BaseException:
-        print(stack.dump())
-        raise
-    finally:
-        stack.close()
 
 
 def served(stack: Stack, pool: str) -> list[tuple[str, str, int]]:
