@@ -3,6 +3,7 @@
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
                                 [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
                                 [--servers 1] [--heartbeat-server | --people-server]
+                                [--nodes-server-nice 0] [--probed-agents 50]
                                 [--setting NAME=VALUE] [--json]
 
 A fresh PostgreSQL database and Redis (the benchmarks' own database number) behind one server
@@ -873,6 +874,7 @@ class Simulation:
             "servers": args.servers,
             "heartbeat_server": args.heartbeat_server,
             "people_server": args.people_server,
+            "nodes_server_nice": args.nodes_server_nice,
             "slots_per_agent": args.slots,
             "jobs_stored": self.stored_jobs,
             "register_s": round(registered_s, 1),
@@ -961,6 +963,14 @@ def met(result: dict[str, Any]) -> dict[str, bool]:
     return verdicts
 
 
+def renice(pid: int, niceness: int) -> None:
+    """`pid` and its children at `niceness`, as a deployment would give the nodes' pool a smaller
+    share of a machine it shares with the people's pool (compose's `cpu_shares`)."""
+    process = psutil.Process(pid)
+    for each in (process, *process.children(recursive=True)):
+        each.nice(niceness)
+
+
 def start_floor_server(group: ProcessGroup, port: int) -> str:
     url = f"http://127.0.0.1:{port}"
     script = Path(__file__).with_name("floor_server.py")
@@ -998,6 +1008,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 group.spawn("scheduler", "scheduler")
                 floor = start_floor_server(group, free_port())
+                if args.nodes_server_nice:
+                    for i in range(args.servers):
+                        renice(group.supervisor.children[f"server{i or ''}"].pid, args.nodes_server_nice)
 
                 def pids() -> dict[str, int]:
                     return {name: popen.pid for name, popen in group.supervisor.children.items()}
@@ -1051,6 +1064,13 @@ def main() -> None:
         action="store_true",
         help="as --heartbeat-server, and that replica serves the people's calls too (the admin, the submitters, "
         "the reader): the nodes' calls alone on the others",
+    )
+    parser.add_argument(
+        "--nodes-server-nice",
+        type=int,
+        default=0,
+        help="the niceness of the server processes that take the nodes' calls (with --people-server: all but "
+        "the people's), e.g. 5: the people's process gets the CPU first when the machine is saturated",
     )
     parser.add_argument(
         "--probed-agents",
