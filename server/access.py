@@ -32,7 +32,6 @@ from collections.abc import Callable, Collection, Sequence
 
 from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import Session, selectinload
-from sqlalchemy.orm.interfaces import ORMOption
 
 from server.attempts import lock_job
 from server.auth import Principal
@@ -117,12 +116,9 @@ def _no_job(job_id: int) -> NotFound:
     )
 
 
-def job_for(
-    session: Session, principal: Principal, job_id: int, *, lock: bool = False, loads: Sequence[ORMOption] = ()
-) -> Job:
-    """The job, if `principal` may read it; locked (re-read) when `lock`; with what `loads` names
-    loaded in the same read."""
-    job = session.get(Job, job_id, options=loads)
+def job_for(session: Session, principal: Principal, job_id: int, *, lock: bool = False) -> Job:
+    """The job, if `principal` may read it; locked (re-read) when `lock`."""
+    job = session.get(Job, job_id)
     if job is None or not _may_read(session, principal, job.owner_id, job.team_id):
         raise _no_job(job_id)
     return lock_job(session, job_id) if lock else job

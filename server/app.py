@@ -25,7 +25,7 @@ from server.api.heartbeat_path import HeartbeatFastPath
 from server.auth import TokenCache
 from server.body_caps import BodyCapMiddleware, caps_for
 from server.dashboard import render as dashboard_render
-from server.db import check_schema, mark_server_start, read_session_factory, session_factory, session_scope
+from server.db import check_schema, mark_server_start, session_factory, session_scope
 from server.errors import install_handlers
 from server.heartbeats import HeartbeatBatcher
 from server.holds import HeldRequests
@@ -102,7 +102,6 @@ def create_app(settings: Settings, *, enqueue: Enqueue | None = None) -> FastAPI
     services = Services(
         settings=settings,
         sessions=sessions,
-        read_sessions=read_session_factory(settings.database_url),
         waiter=waiter,
         enqueue=enqueue,
         templates=templates,

@@ -72,17 +72,6 @@ def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(engine_for(url), expire_on_commit=False)
 
 
-def read_session_factory(url: str) -> sessionmaker[Session]:
-    """Sessions for reads that write nothing: on PostgreSQL each statement runs in autocommit, its
-    own snapshot, as it would inside a READ COMMITTED transaction, without the BEGIN and COMMIT
-    round trips. A job's page was 11 round trips, and under a cluster's load each waits its turn
-    for a busy database (`bench/bench_scale.py`). SQLite keeps its transactions (`_on_begin`)."""
-    engine = engine_for(url)
-    if engine.dialect.name == "postgresql":
-        return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False)
-    return sessionmaker(engine, expire_on_commit=False)
-
-
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """A session whose transaction commits on success and rolls back on error."""

@@ -35,8 +35,6 @@ class Services:
 
     settings: Settings
     sessions: sessionmaker[Session]
-    # for reads that write nothing (`db.read_session_factory`): no wake-ups or tasks to carry out
-    read_sessions: sessionmaker[Session]
     waiter: Waiter
     enqueue: Enqueue
     templates: Jinja2Templates
@@ -193,10 +191,6 @@ async def _sessions(request: Request) -> sessionmaker[Session]:
     return get_sessions(request)
 
 
-async def _read_sessions(request: Request) -> sessionmaker[Session]:
-    return get_services(request).read_sessions
-
-
 async def _waiter(request: Request) -> Waiter:
     return get_waiter(request)
 
@@ -209,7 +203,6 @@ ServicesDep = Annotated[Services, Depends(_services)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]  # a thread: closing a session may roll back
 SessionsDep = Annotated[sessionmaker[Session], Depends(_sessions)]
-ReadSessionsDep = Annotated[sessionmaker[Session], Depends(_read_sessions)]
 WaiterDep = Annotated[Waiter, Depends(_waiter)]
 HoldsDep = Annotated[HeldRequests, Depends(_holds)]
 UserDep = Annotated[Principal, Depends(require_user)]

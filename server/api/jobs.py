@@ -20,7 +20,6 @@ from server.api.deps import (
     HoldsDep,
     MetricNameQuery,
     RankNumber,
-    ReadSessionsDep,
     RowId,
     SessionDep,
     SessionsDep,
@@ -55,7 +54,7 @@ def submit_job(
 
 @router.get("", response_model=list[schemas.JobView])
 async def list_jobs(
-    sessions: ReadSessionsDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     user: UserDep,
     response: Response,
@@ -97,14 +96,15 @@ async def list_jobs(
 
 def _load_job_detail(session: Session, user: Principal, job_id: int, settings: Settings) -> schemas.JobDetail:
     with session.begin():
-        job = access.job_for(session, user, job_id, loads=views.JOB_DETAIL_LOADS)
+        access.job_for(session, user, job_id)
+        job = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
         return views.job_detail(session, job, settings)
 
 
 @router.get("/{job_id}", response_model=schemas.JobDetail)
 async def show_job(
     job_id: RowId,
-    sessions: ReadSessionsDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     waiter: WaiterDep,
     holds: HoldsDep,
