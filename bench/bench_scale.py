@@ -508,38 +508,32 @@ class Probe:
         self.errors[f"{where}: {type(exc).__name__}"] += 1
 
     async def heartbeats(self, agent_id: int, token: str) -> None:
-        # A connection of its own, kept alive between beats, as a real agent's heartbeat thread
-        # keeps one: drawn from a pool that every agent shares, a beat opened a new connection
-        # whenever the others' were busy, and waited with it in the server's listen queue.
-        beats = Api(self.beats_url, self.tally, connections=1)
+        await self.beat("heartbeat", self.beats_url, agent_id, token)
+
+    async def floor(self, caller: int) -> None:
+        """A heartbeat's twin sent to the floor server, which answers it without doing anything."""
+        assert self.floor_url is not None
+        await asyncio.sleep(caller * HEARTBEAT_INTERVAL_S / FLOOR_CALLERS)  # spread, as the agents' beats are
+        await self.beat("floor", self.floor_url, caller + 1, "floor")
+
+    async def beat(self, route: str, url: str, agent_id: int, token: str) -> None:
+        """Agent `agent_id`'s heartbeat to `url` every interval, timed as `route`, on a connection of
+        its own kept alive between beats, as a real agent's heartbeat thread keeps one: drawn from a
+        pool that every agent shares, a beat opened a new connection whenever the others' were
+        busy, and waited with it in the server's listen queue."""
+        beats = Api(url, self.tally, connections=1)
         try:
             while True:
                 began = time.monotonic()
                 try:
-                    await beats.call("heartbeat", "POST", f"/agents/{agent_id}/heartbeat", token)
+                    await beats.call(route, "POST", f"/agents/{agent_id}/heartbeat", token)
                 except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
-                    self.note_error("heartbeat", exc)  # a 409 (declared lost) is counted, not re-registered
+                    self.note_error(route, exc)  # a 409 (declared lost) is counted, not re-registered
                     if isinstance(exc, ApiFailed) and exc.status == 409:
                         self.lost.add(agent_id)
                 await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
         finally:
             await beats.close()
-
-    async def floor(self, caller: int) -> None:
-        """A heartbeat's twin sent to the floor server, which answers it without doing anything."""
-        assert self.floor_url is not None
-        calls = Api(self.floor_url, self.tally, connections=1)
-        await asyncio.sleep(caller * HEARTBEAT_INTERVAL_S / FLOOR_CALLERS)  # spread, as the agents' beats are
-        try:
-            while True:
-                began = time.monotonic()
-                try:
-                    await calls.call("floor", "POST", f"/agents/{caller + 1}/heartbeat", "floor")
-                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
-                    self.note_error("floor", exc)
-                await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - began)))
-        finally:
-            await calls.close()
 
     async def reader(self) -> None:
         tick = 0
