@@ -194,7 +194,11 @@ class SnapshotProcess:
 
     @classmethod
     def serves(cls, url: URL) -> bool:
-        return cls.enabled and not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"))
+        """Not SQLite: there every transaction takes the write lock at its start
+        (`db.sqlite_pragmas`), and a computation in another process waited for the very
+        transaction that waited for it, until SQLite's 30 s busy timeout (`phalanx demo --once`
+        timed out on its job's first page). The embedded stack's queues are small."""
+        return cls.enabled and url.get_backend_name() != "sqlite"
 
     @classmethod
     def warm(cls, settings: Settings) -> None:

@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -20,10 +22,11 @@ from sqlalchemy import make_url
 
 from server import queue_status
 from server.app import create_app
-from server.db import session_scope
+from server.db import engine_for, session_scope, upgrade
 from server.queue_status import SUBMITTED_SINCE
 from server.settings import Settings
 from tests.agent_tokens import register_agent
+from tests.conftest import ADMIN_TOKEN, AGENT_TOKEN
 from tests.integration.test_api import USER
 from tests.integration.test_fair_share import job, schedule, submit
 
@@ -201,11 +204,33 @@ def test_a_kept_snapshot_is_computed_in_a_process_of_its_own(client: TestClient,
     )
 
 
-def test_an_in_memory_database_is_computed_in_the_servers_process() -> None:
+def test_sqlite_is_computed_in_the_servers_process() -> None:
     assert not queue_status.SnapshotProcess.serves(make_url("sqlite://"))
     assert not queue_status.SnapshotProcess.serves(make_url("sqlite:///:memory:"))
-    assert queue_status.SnapshotProcess.serves(make_url("sqlite:////var/phalanx/phalanx.db"))
+    assert not queue_status.SnapshotProcess.serves(make_url("sqlite:////var/phalanx/phalanx.db"))
     assert queue_status.SnapshotProcess.serves(make_url("postgresql+psycopg://db/phalanx"))
+
+
+def test_a_queued_jobs_page_on_the_embedded_store_answers_at_once(tmp_path: Path) -> None:
+    """The page of a job newer than the kept snapshot computes one inside its own transaction,
+    which on SQLite holds the write lock: computed by another process, it waited for that lock
+    until SQLite's busy timeout, 30 s."""
+    settings = Settings(
+        data_dir=tmp_path / "embedded",
+        admin_token=ADMIN_TOKEN,
+        agent_token=AGENT_TOKEN,
+        queue_snapshot_seconds=KEPT_S,
+    )
+    upgrade(settings.database_url)
+    queue_status._kept.clear()
+    try:
+        with TestClient(create_app(settings, enqueue=lambda *_, **__: None)) as client:
+            queued = one_running_one_waiting(client, settings)
+            began = time.monotonic()
+            assert job(client, queued)["queue"]["position"] == 1
+            assert time.monotonic() - began < 10, "the page waited for its own write lock"
+    finally:
+        engine_for(settings.database_url).dispose()
 
 
 def test_the_snapshot_process_exits_when_its_server_is_killed(kept_settings: Settings) -> None:
