@@ -15,6 +15,9 @@ from tests.processes import REPO, Stack, final_checksum, sigkill_rank, wait_for
 pytestmark = pytest.mark.e2e
 GPT = REPO / "examples" / "gpt" / "job.yaml"
 STEPS = 20
+# The paused run's length: with 20 steps (~6 s) a pause sent at the first step seen landed after
+# the last one once in CI, when that step's metrics arrived late under load.
+PAUSED_STEPS = 3 * STEPS
 
 
 def gpt_job(strategy: str, steps: int = STEPS) -> tuple[JobSpec, Path]:
@@ -26,22 +29,22 @@ def gpt_job(strategy: str, steps: int = STEPS) -> tuple[JobSpec, Path]:
     return spec.model_copy(update=update), workdir
 
 
-_references: dict[str, str] = {}  # strategy -> the uninterrupted run's checksum: deterministic, run once
+# (strategy, steps) -> the uninterrupted run's checksum: deterministic, run once
+_references: dict[tuple[str, int], str] = {}
 
 
-def reference_checksum(client: Client, strategy: str) -> str:
-    if strategy in _references:
-        return _references[strategy]
-    spec, workdir = gpt_job(strategy)
-    steps = STEPS
+def reference_checksum(client: Client, strategy: str, steps: int = STEPS) -> str:
+    if (strategy, steps) in _references:
+        return _references[strategy, steps]
+    spec, workdir = gpt_job(strategy, steps)
     reference = client.wait(client.submit(spec, workdir).id, timeout=180)
     assert reference.state is JobState.COMPLETED, reference.failure_reason
     losses = {p.step: p.value for p in client.metrics(reference.id, name="loss") if p.rank == 0}
     assert sorted(losses) == list(range(1, steps + 1))
     assert losses[steps] < losses[1]
     assert "lr" in reference.latest_metrics
-    _references[strategy] = final_checksum(client, reference.id)
-    return _references[strategy]
+    _references[strategy, steps] = final_checksum(client, reference.id)
+    return _references[strategy, steps]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -64,11 +67,11 @@ def test_the_gpt_example_resumes_a_sigkilled_rank_exactly(stack: Stack, strategy
 
 
 def test_a_paused_fsdp_job_resumes_from_its_stop_checkpoint_exactly(stack: Stack) -> None:
-    spec, workdir = gpt_job("fsdp")
+    spec, workdir = gpt_job("fsdp", PAUSED_STEPS)
     with stack.client() as client:
-        expected = reference_checksum(client, "fsdp")
+        expected = reference_checksum(client, "fsdp", PAUSED_STEPS)
         job = client.submit(spec, workdir)
-        # paused at its first step seen: the job's 20 steps take ~6 s on this machine, and metrics
+        # paused at its first step seen: the job's steps take ~18 s on this machine, and metrics
         # arrive each second, so the stop has most of those seconds to land before the last step
         wait_for(lambda: client.get_job(job.id).latest_step, 120, "the first step")
         client.pause_job(job.id)
@@ -81,7 +84,7 @@ def test_a_paused_fsdp_job_resumes_from_its_stop_checkpoint_exactly(stack: Stack
         stop_step = max(c.step for c in client.checkpoints(job.id))
         first = client.get_job(job.id).allocations[0].id
         done = [p.step for p in client.metrics(job.id, name="loss", all_attempts=True) if p.allocation_id == first]
-        assert stop_step == max(done) < STEPS, "the stop checkpointed the step it stopped at"
+        assert stop_step == max(done) < PAUSED_STEPS, "the stop checkpointed the step it stopped at"
         client.resume_job(job.id)
         final = client.wait(job.id, timeout=180)
         assert final.state is JobState.COMPLETED, final.failure_reason
