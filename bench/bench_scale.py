@@ -243,6 +243,18 @@ class ApiFailed(RuntimeError):
         self.status = status
 
 
+async def cancel_until_done(tasks: list[asyncio.Future[None]]) -> None:
+    """Cancel `tasks` (and those they spawn meanwhile into the same list) until every one ended.
+    Once is not enough on Python 3.11: `asyncio.wait_for` swallows a cancellation that lands as its
+    timeout fires (fixed in 3.12), and a node that went on then waited for ever on its agent's
+    reporter, already cancelled (a run hung so after its steady phase)."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def reliably(
     call: Callable[[], Awaitable[T]], note: Callable[[BaseException], None], max_backoff: float = MAX_BACKOFF_S
 ) -> T:
@@ -496,9 +508,7 @@ class Probe:
                 tasks += [asyncio.create_task(self.reader()), asyncio.create_task(self.agents_reader())]
             else:
                 break
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(tasks)
         await self.api.close()
         tally = self.tally
         answer = (dict(tally.latencies), dict(tally.ended), dict(tally.statuses), dict(self.errors), len(self.lost))
@@ -840,9 +850,7 @@ class Simulation:
         cpu_after = self.cpu_seconds()
         stop.set()
         self.stored_jobs = await self.count("SELECT count(*) FROM jobs")
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_until_done(self.tasks)
         for api in [*self.apis, *([self.heartbeat_api] if self.heartbeat_api else [])]:
             await api.close()
         probed = await self.probe.results()
