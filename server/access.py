@@ -29,10 +29,12 @@ query of what a principal may list, for callers that add their own filters and p
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import Session, selectinload
 
+from server import views
 from server.attempts import lock_job
 from server.auth import Principal
 from server.errors import Forbidden, NotFound
@@ -73,9 +75,9 @@ def job_readable(principal: Principal, teams: Collection[int] | None = None) -> 
     return or_(Job.owner_id == principal.user_id, Job.team_id.in_(team_ids))
 
 
-def visible_jobs(principal: Principal, teams: Collection[int] | None = None) -> Select[Job]:
-    """What `principal` may list (`teams`: as for `job_readable`)."""
-    return select(Job).options(selectinload(Job.owner)).where(job_readable(principal, teams))
+def visible_jobs(principal: Principal, teams: Collection[int] | None = None) -> Select[*tuple[Any, ...]]:
+    """What `principal` may list, as the rows `views.jobs` shows (`teams`: as for `job_readable`)."""
+    return views.job_rows().where(job_readable(principal, teams))
 
 
 def readable_queued_jobs(session: Session, principal: Principal) -> set[int]:

@@ -57,7 +57,7 @@ def submit_job(
         team = teams.team_for_new_work(session, principal, spec.team)
         spec = spec.model_copy(update={"team": team.name if team else None})
         job = jobs.create_job(session, spec, _owner(principal), sha, size, team_id=team.id if team else None)
-        return views.job(session, job, latest=False)
+        return views.job(session, job.id, latest=False)
 
 
 def _change_job(
@@ -67,7 +67,7 @@ def _change_job(
     with session.begin():
         job = access.job_to_change(session, principal, job_id)
         change(session, job)
-        return views.job(session, job)
+        return views.job(session, job.id)
 
 
 def kill_job(session: Session, principal: Principal, job_id: int) -> schemas.JobView:
@@ -280,4 +280,4 @@ def hold_job(session: Session, principal: Principal, job_id: int, held: bool) ->
     with session.begin():
         job = access.job_to_hold(session, principal, job_id)
         jobs.set_held(session, job, held)
-        return views.job(session, job)
+        return views.job(session, job.id)

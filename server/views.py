@@ -8,9 +8,10 @@ import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Collection, Sequence
-from typing import Literal
+from functools import lru_cache
+from typing import Any, Literal, TypeAlias
 
-from sqlalchemy import func, select
+from sqlalchemy import Row, Select, Text, cast, func, select
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import instance_state
 
@@ -43,35 +44,65 @@ JOB_DETAIL_LOADS = (
 )
 
 
-def job(session: Session, row: Job, *, latest: bool = True) -> schemas.JobView:
-    return jobs(session, [row], latest=latest)[0]
+# The columns of a job's view, its owner's name and its trial joined: a page of jobs in one query,
+# read as rows. As ORM objects, their owners loaded and each spec validated, a page of 100 cost
+# ~8 ms of a server's core and a fifth of a busy cluster's jobs-list time (bench/bench_scale.py).
+JOB_VIEW_COLUMNS = (
+    Job.id,
+    Job.name,
+    Job.state,
+    cast(Job.spec, Text).label("spec_json"),
+    User.name.label("owner_name"),
+    Job.priority,
+    Job.wait_reason,
+    Job.failure_reason,
+    Job.submitted_at,
+    Job.started_at,
+    Job.ended_at,
+    Job.attempts,
+    Job.restarts_used,
+    Job.infra_restarts_used,
+    Job.held,
+    TuningTrial.study_id,
+    TuningTrial.number.label("trial_number"),
+)
+JobRow: TypeAlias = "Row[*tuple[Any, ...]]"  # a row of `job_rows`
+# Specs longer than this are validated at each read rather than kept (`stored_spec`).
+MAX_KEPT_SPEC_CHARS = 16 * 1024
+
+
+def job_rows() -> Select[*tuple[Any, ...]]:
+    """Jobs as the rows `jobs` converts: filter, order and limit it as a `select(Job)`."""
+    return (
+        select(*JOB_VIEW_COLUMNS)
+        .join(User, User.id == Job.owner_id)
+        .outerjoin(TuningTrial, TuningTrial.job_id == Job.id)
+    )
+
+
+def job(session: Session, job_id: int, *, latest: bool = True) -> schemas.JobView:
+    """Job `job_id`'s view as of this transaction (what the session holds is flushed first)."""
+    return jobs(session, session.execute(job_rows().where(Job.id == job_id)).all(), latest=latest)[0]
 
 
 def jobs(
-    session: Session, rows: Sequence[Job], *, latest: bool = True, queue: QueueSnapshot | None = None
+    session: Session, rows: Sequence[JobRow], *, latest: bool = True, queue: QueueSnapshot | None = None
 ) -> list[schemas.JobView]:
-    """The rows as views, in their order, in at most three queries whatever their number: newest
-    metrics (`latest`), trials, and owners that the caller did not load. With `queue`, each QUEUED
-    row says where it stands in line."""
-    ids = [row.id for row in rows]
-    metrics = latest_metrics_by_job(session, ids) if latest and ids else {}
-    trials: dict[int, tuple[int, int]] = {}
-    if ids:
-        query = select(TuningTrial.job_id, TuningTrial.study_id, TuningTrial.number).where(TuningTrial.job_id.in_(ids))
-        trials = {job_id: (study_id, number) for job_id, study_id, number in session.execute(query)}
-    owners = owner_names(session, rows)
+    """`job_rows` rows as views, in their order; their newest metrics (`latest`) in one more query
+    whatever their number. With `queue`, each QUEUED row says where it stands in line."""
+    metrics = latest_metrics_by_job(session, [row.id for row in rows]) if latest and rows else {}
     result = []
     for row in rows:
         values, step = metrics.get(row.id, ({}, None))
-        trial = trials.get(row.id)
+        spec = stored_spec(row.spec_json)
         result.append(
             schemas.JobView(
                 id=row.id,
                 name=row.name,
                 state=schemas.JobState(row.state),
-                spec=schemas.JobSpec.model_validate(row.spec),
-                owner=owners[row.owner_id],
-                team=row.spec.get("team"),
+                spec=spec,
+                owner=row.owner_name,
+                team=spec.team,
                 priority=row.priority,
                 wait_reason=row.wait_reason,
                 failure_reason=row.failure_reason,
@@ -83,8 +114,8 @@ def jobs(
                 infra_restarts_used=row.infra_restarts_used,
                 latest_metrics=values,
                 latest_step=step,
-                study_id=trial[0] if trial else None,
-                trial_number=trial[1] if trial else None,
+                study_id=row.study_id,
+                trial_number=row.trial_number,
                 held=row.held,
                 queue=queue_place(queue, row) if queue is not None else None,
             )
@@ -92,8 +123,20 @@ def jobs(
     return result
 
 
+def stored_spec(text: str) -> schemas.JobSpec:
+    """A job's stored spec (JSON), validated. A spec never changes once stored, and the lists read
+    the newest jobs' specs again and again: the last 2,048 read are kept, validated once per
+    process. The views share them: never change a view's `spec` in place."""
+    return _kept_spec(text) if len(text) <= MAX_KEPT_SPEC_CHARS else schemas.JobSpec.model_validate_json(text)
+
+
+@lru_cache(maxsize=2048)
+def _kept_spec(text: str) -> schemas.JobSpec:
+    return schemas.JobSpec.model_validate_json(text)
+
+
 def queue_snapshot_for(
-    session: Session, rows: Sequence[Job], settings: Settings, *, exact: bool = True
+    session: Session, rows: Sequence[Job | JobRow], settings: Settings, *, exact: bool = True
 ) -> QueueSnapshot | None:
     """The queue's state, when some of the rows wait in it (a kept snapshot, or one placement pass);
     a list's is not `exact` (`queue_status.queue_snapshot`)."""
@@ -146,7 +189,7 @@ def queue_view(session: Session, readable: Collection[int], queue: QueueSnapshot
     return schemas.QueueView(entries=entries, queued=queued_now or 0, estimated_at=queue.now)
 
 
-def queue_place(queue: QueueSnapshot, row: Job) -> schemas.QueuePlace | None:
+def queue_place(queue: QueueSnapshot, row: Job | JobRow) -> schemas.QueuePlace | None:
     if row.state != schemas.JobState.QUEUED.value:
         return None
     if not queue.knows(row.id):
@@ -180,8 +223,10 @@ def owner_names(session: Session, rows: Sequence[Job | TuningStudy]) -> dict[int
 
 
 def job_detail(session: Session, row: Job, settings: Settings) -> schemas.JobDetail:
+    listed = session.execute(job_rows().where(Job.id == row.id)).all()
+    view = jobs(session, listed, queue=queue_snapshot_for(session, [row], settings))[0]
     return schemas.JobDetail(
-        **jobs(session, [row], queue=queue_snapshot_for(session, [row], settings))[0].model_dump(),
+        **dict(view),  # its fields as they are: validated once, in `jobs`
         events=[
             schemas.JobEventView(
                 time=e.time,

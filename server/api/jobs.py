@@ -79,7 +79,7 @@ async def list_jobs(
                 query = query.where(Job.id < before)
             if state is not None:
                 query = query.where(Job.state == state.value)
-            rows = list(session.scalars(query.limit(limit + 1).offset(offset)))
+            rows = session.execute(query.limit(limit + 1).offset(offset)).all()
             shown = rows[:limit]
             next_before = shown[-1].id if len(rows) > limit else None  # more follow: the last id shown
             return next_before, views.jobs(

@@ -67,22 +67,18 @@ def overview_page(request: Request, session: SessionDep, user: SignedIn) -> Resp
         counts = {state: n for state, n in session.execute(count_by_state(user, teams))}
         running = views.jobs(
             session,
-            list(
-                session.scalars(
-                    access.visible_jobs(user, teams).where(Job.state == "RUNNING").order_by(Job.id.desc()).limit(20)
-                )
-            ),
+            session.execute(
+                access.visible_jobs(user, teams).where(Job.state == "RUNNING").order_by(Job.id.desc()).limit(20)
+            ).all(),
         )
         failures = views.jobs(
             session,
-            list(
-                session.scalars(
-                    access.visible_jobs(user, teams)
-                    .where(Job.state == "FAILED")
-                    .order_by(Job.ended_at.desc())
-                    .limit(RECENT_FAILURES)
-                )
-            ),
+            session.execute(
+                access.visible_jobs(user, teams)
+                .where(Job.state == "FAILED")
+                .order_by(Job.ended_at.desc())
+                .limit(RECENT_FAILURES)
+            ).all(),
             latest=False,
         )
         version = jobs_version(session)

@@ -4,6 +4,7 @@ profile traces' downloads. Users see their own jobs; admins see all."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import orjson
@@ -54,15 +55,15 @@ def jobs_page(
             query = query.where(Job.state == chosen)
         if q:
             query = query.where(Job.name.contains(q, autoescape=True))
-        found: list[Job] = []
+        found: Sequence[views.JobRow] = []
         if after is not None:
-            found = list(session.scalars(query.where(Job.id > after).order_by(Job.id).limit(PAGE_SIZE + 1)))
+            found = session.execute(query.where(Job.id > after).order_by(Job.id).limit(PAGE_SIZE + 1)).all()
             newer, older = len(found) > PAGE_SIZE, True
             found = found[:PAGE_SIZE][::-1]
         if len(found) < PAGE_SIZE:  # no cursor, `before`, or fewer than a page newer: the newest page
             newest = after is not None or before is None
             bounded = query if newest else query.where(Job.id < before)
-            found = list(session.scalars(bounded.order_by(Job.id.desc()).limit(PAGE_SIZE + 1)))
+            found = session.execute(bounded.order_by(Job.id.desc()).limit(PAGE_SIZE + 1)).all()
             newer, older = not newest, len(found) > PAGE_SIZE
             found = found[:PAGE_SIZE]
         rows = views.jobs(

@@ -86,29 +86,28 @@ def populated(clean_db: str) -> str:
     return clean_db
 
 
-def every_job(session: Session) -> list[Job]:
-    return list(session.scalars(select(Job).order_by(Job.id)))
+def every_job(session: Session) -> Sequence[views.JobRow]:
+    return session.execute(views.job_rows().order_by(Job.id)).all()
 
 
 def test_listing_jobs_costs_the_same_statements_for_one_row_or_many(populated: str) -> None:
-    def first(n: int) -> Callable[[Session], list[Job]]:
+    def first(n: int) -> Callable[[Session], Sequence[views.JobRow]]:
         return lambda session: every_job(session)[:n]
 
-    def first_with_owners(n: int) -> Callable[[Session], list[Job]]:
-        query = select(Job).options(selectinload(Job.owner)).order_by(Job.id).limit(n)  # as the list routes do
-        return lambda session: list(session.scalars(query))
+    def read(session: Session, query: Any) -> object:
+        return session.execute(query).all()
 
+    # the rows themselves, their owners and trials with them: one statement, whatever their number
+    for query in (views.job_rows().order_by(Job.id).limit(1), views.job_rows().order_by(Job.id)):
+        assert statements(populated, lambda _, query=query: query, read) == 1
     for latest in (True, False):
 
-        def convert(session: Session, rows: list[Job], latest: bool = latest) -> object:
+        def convert(session: Session, rows: Sequence[views.JobRow], latest: bool = latest) -> object:
             return views.jobs(session, rows, latest=latest)
 
         assert statements(populated, first(1), convert) == statements(populated, first(3 * ROWS), convert)
-        assert statements(populated, first_with_owners(1), convert) == statements(
-            populated, first_with_owners(3 * ROWS), convert
-        )
-    # the routes' query loads the owners: the metrics and the trials are all that is left to read
-    assert statements(populated, first_with_owners(3 * ROWS), views.jobs) == 2
+    assert statements(populated, first(3 * ROWS), views.jobs) == 1  # the newest metrics
+    assert statements(populated, first(3 * ROWS), lambda s, rows: views.jobs(s, rows, latest=False)) == 0
     assert statements(populated, first(0), views.jobs) == 0
 
 
@@ -116,8 +115,8 @@ def test_batched_job_views_match_each_row(populated: str) -> None:
     with session_factory(populated)() as session, session.begin():
         rows = every_job(session)
         listed = views.jobs(session, rows)
-        assert listed == [views.job(session, row) for row in rows]
-        assert views.jobs(session, rows, latest=False) == [views.job(session, row, latest=False) for row in rows]
+        assert listed == [views.job(session, row.id) for row in rows]
+        assert views.jobs(session, rows, latest=False) == [views.job(session, row.id, latest=False) for row in rows]
         trial_jobs = {
             job_id: (study_id, number)
             for study_id, number, job_id in session.execute(
@@ -168,3 +167,14 @@ def test_listing_agents_costs_the_same_statements_for_one_row_or_many(populated:
     with session_factory(populated)() as session, session.begin():
         listed = views.agents(session, every_agent(session))
     assert [a.used_cpu_slots for a in listed] == [1] * (ROWS // 2) + [0] * (ROWS - ROWS // 2)
+
+
+def test_a_stored_spec_is_validated_once_unless_it_is_too_long_to_keep() -> None:
+    short = JobSpec.model_validate({"name": "j", "entrypoint": "python t.py"}).model_dump_json()
+    assert views.stored_spec(short) is views.stored_spec(short)
+    long = JobSpec.model_validate(
+        {"name": "j", "entrypoint": "python t.py", "env": {f"V{i}": "x" * 100 for i in range(200)}}
+    ).model_dump_json()
+    assert len(long) > views.MAX_KEPT_SPEC_CHARS
+    assert views.stored_spec(long) is not views.stored_spec(long)
+    assert views.stored_spec(long) == JobSpec.model_validate_json(long)
