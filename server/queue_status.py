@@ -88,8 +88,12 @@ class QueueSnapshot:
 def remaining_seconds(session: Session, now: datetime, grace_s: float) -> dict[int, float]:
     """Running job id -> seconds until it ends, for the jobs that declared `total_steps` and report
     steps (and the ones already stopping: their grace at most)."""
+    # the active attempts' nodes only: grouping every node ever placed grew with the cluster's
+    # history (with 100,000 ended nodes and 1,000 running, 34 ms of each snapshot where it is 16)
     started = (
         select(AllocationNode.allocation_id, func.min(AllocationNode.started_at).label("started"))
+        .join(Allocation, Allocation.id == AllocationNode.allocation_id)
+        .where(Allocation.active.is_(True))
         .group_by(AllocationNode.allocation_id)
         .subquery()
     )
