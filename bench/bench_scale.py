@@ -616,16 +616,20 @@ class Simulation:
         pids: Callable[[], dict[str, int]],
         floor_url: str,
         heartbeat_url: str | None = None,
+        reads_url: str | None = None,
     ) -> None:
         self.args = args
         self.tally = Tally()
         self.apis = [Api(url, self.tally) for url in urls]
         self.heartbeat_api = None if heartbeat_url is None else Api(heartbeat_url, self.tally)
-        people_url = heartbeat_url if args.people_server and heartbeat_url else urls[0]
+        people_url = reads_url or (heartbeat_url if args.people_server and heartbeat_url else urls[0])
         self.probe = ProbeProcess(people_url, heartbeat_url or urls[0], floor_url)
         self.beater = ProbeProcess(people_url, heartbeat_url or urls[0], None)
         # the admin's, the submitters' and the reader's
         self.api = self.heartbeat_api if args.people_server and self.heartbeat_api else self.apis[0]
+        self.reads_api = None if reads_url is None else Api(reads_url, self.tally)
+        if self.reads_api is not None:
+            self.api = self.reads_api
         self.dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
         self.pids = pids
         self.agents = [SimulatedAgent(self, i) for i in range(args.agents)]
@@ -851,7 +855,7 @@ class Simulation:
         stop.set()
         self.stored_jobs = await self.count("SELECT count(*) FROM jobs")
         await cancel_until_done(self.tasks)
-        for api in [*self.apis, *([self.heartbeat_api] if self.heartbeat_api else [])]:
+        for api in [*self.apis, *(api for api in (self.heartbeat_api, self.reads_api) if api is not None)]:
             await api.close()
         probed = await self.probe.results()
         beaten = await self.beater.results()
@@ -876,6 +880,7 @@ class Simulation:
             "servers": args.servers,
             "heartbeat_server": args.heartbeat_server,
             "people_server": args.people_server,
+            "reads_server": args.reads_server,
             "nodes_server_nice": args.nodes_server_nice,
             "slots_per_agent": args.slots,
             "jobs_stored": self.stored_jobs,
@@ -945,7 +950,7 @@ class Simulation:
         roots = [(name.rstrip("0123456789"), pid) for name, pid in self.pids().items()]
         roots.append(("simulator", os.getpid()))
         for name, pid in roots:
-            if name not in ("server", "server-heartbeats", "scheduler", "simulator", "floor"):
+            if name not in ("server", "server-heartbeats", "server-people", "scheduler", "simulator", "floor"):
                 continue
             try:
                 t = psutil.Process(pid).cpu_times()
@@ -1008,6 +1013,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if args.heartbeat_server or args.people_server
                     else None
                 )
+                reads = start_server(group, free_port(), "server-people") if args.reads_server else None
                 group.spawn("scheduler", "scheduler")
                 floor = start_floor_server(group, free_port())
                 if args.nodes_server_nice:
@@ -1018,7 +1024,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     return {name: popen.pid for name, popen in group.supervisor.children.items()}
 
                 async def simulate() -> dict[str, Any]:  # aiohttp binds to the running loop
-                    return await Simulation(args, urls, database_url, pids, floor, beats).run()
+                    return await Simulation(args, urls, database_url, pids, floor, beats, reads).run()
 
                 result = asyncio.run(simulate())
                 group.check()
@@ -1066,6 +1072,12 @@ def main() -> None:
         action="store_true",
         help="as --heartbeat-server, and that replica serves the people's calls too (the admin, the submitters, "
         "the reader): the nodes' calls alone on the others",
+    )
+    parser.add_argument(
+        "--reads-server",
+        action="store_true",
+        help="with --people-server: one more replica for the people's calls (the admin, the submitters, the reader), "
+        "so that the --people-server replica serves the agents' heartbeats alone: three pools",
     )
     parser.add_argument(
         "--nodes-server-nice",
