@@ -351,16 +351,34 @@ def latest_metrics_by_job(session: Session, job_ids: Collection[int]) -> dict[in
     return result
 
 
-def agents(session: Session, rows: Sequence[Agent]) -> list[schemas.AgentView]:
-    """The rows as views with their slots in use, in one query whatever their number."""
+# The columns of an agent's view: a list of a thousand agents reads these, not ORM objects.
+AGENT_VIEW_COLUMNS = (
+    Agent.id,
+    Agent.name,
+    Agent.address,
+    Agent.state,
+    Agent.cpu_slots,
+    Agent.gpu_slots,
+    Agent.registered_at,
+    Agent.last_heartbeat,
+)
+
+
+def agents(session: Session, rows: Sequence[Agent | Row[*tuple[Any, ...]]]) -> list[schemas.AgentView]:
+    """The rows (agents, or rows of `AGENT_VIEW_COLUMNS`) as views with their slots in use, in one
+    query whatever their number. The leases are read by the rows' range of ids, not by a list of
+    them: the pages are ranges, and a thousand ids cost PostgreSQL more to parse than the read."""
     used: dict[tuple[int, str], int] = {}
     if rows:
+        ids = {a.id for a in rows}
         query = (
             select(SlotLease.agent_id, SlotLease.slot_type, func.count())
-            .where(SlotLease.agent_id.in_({a.id for a in rows}))
+            .where(SlotLease.agent_id.between(min(ids), max(ids)))
             .group_by(SlotLease.agent_id, SlotLease.slot_type)
         )
-        used = {(agent_id, slot_type): count for agent_id, slot_type, count in session.execute(query)}
+        used = {
+            (agent_id, slot_type): count for agent_id, slot_type, count in session.execute(query) if agent_id in ids
+        }
     return [
         schemas.AgentView(
             id=a.id,

@@ -51,8 +51,8 @@ def list_agents(
     offset: Annotated[int, Query(ge=0, le=MAX_ROW_ID)] = 0,
 ) -> list[schemas.AgentView]:
     with session.begin():
-        query = select(Agent).order_by(Agent.id).limit(limit).offset(offset)
-        return views.agents(session, list(session.scalars(query)))
+        query = select(*views.AGENT_VIEW_COLUMNS).order_by(Agent.id).limit(limit).offset(offset)
+        return views.agents(session, session.execute(query).all())
 
 
 @router.post("/register", response_model=schemas.AgentRegistered)
