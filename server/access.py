@@ -33,6 +33,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.interfaces import ORMOption
 
 from server import views
 from server.attempts import lock_job
@@ -118,9 +119,12 @@ def _no_job(job_id: int) -> NotFound:
     )
 
 
-def job_for(session: Session, principal: Principal, job_id: int, *, lock: bool = False) -> Job:
-    """The job, if `principal` may read it; locked (re-read) when `lock`."""
-    job = session.get(Job, job_id)
+def job_for(
+    session: Session, principal: Principal, job_id: int, *, lock: bool = False, loads: Sequence[ORMOption] = ()
+) -> Job:
+    """The job, if `principal` may read it; locked (re-read) when `lock`; with its relationships
+    in `loads` loaded when this session had not loaded it yet."""
+    job = session.get(Job, job_id, options=loads)
     if job is None or not _may_read(session, principal, job.owner_id, job.team_id):
         raise _no_job(job_id)
     return lock_job(session, job_id) if lock else job

@@ -7,7 +7,7 @@ import json
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, Literal, TypeAlias
 
@@ -67,6 +67,7 @@ JOB_VIEW_COLUMNS = (
     TuningTrial.number.label("trial_number"),
 )
 JobRow: TypeAlias = "Row[*tuple[Any, ...]]"  # a row of `job_rows`
+LatestMetrics: TypeAlias = tuple[dict[str, float], int | None]  # a job's latest values, and their step
 # Specs longer than this are validated at each read rather than kept (`stored_spec`).
 MAX_KEPT_SPEC_CHARS = 16 * 1024
 
@@ -86,11 +87,19 @@ def job(session: Session, job_id: int, *, latest: bool = True) -> schemas.JobVie
 
 
 def jobs(
-    session: Session, rows: Sequence[JobRow], *, latest: bool = True, queue: QueueSnapshot | None = None
+    session: Session,
+    rows: Sequence[JobRow],
+    *,
+    latest: bool | Mapping[int, LatestMetrics] = True,
+    queue: QueueSnapshot | None = None,
 ) -> list[schemas.JobView]:
     """`job_rows` rows as views, in their order; their newest metrics (`latest`) in one more query
-    whatever their number. With `queue`, each QUEUED row says where it stands in line."""
-    metrics = latest_metrics_by_job(session, [row.id for row in rows]) if latest and rows else {}
+    whatever their number, or from `latest` when the caller has them. With `queue`, each QUEUED
+    row says where it stands in line."""
+    if not isinstance(latest, bool):
+        metrics: Mapping[int, LatestMetrics] = latest
+    else:
+        metrics = latest_metrics_by_job(session, [row.id for row in rows]) if latest and rows else {}
     result = []
     for row in rows:
         values, step = metrics.get(row.id, ({}, None))
@@ -224,7 +233,9 @@ def owner_names(session: Session, rows: Sequence[Job | TuningStudy]) -> dict[int
 
 def job_detail(session: Session, row: Job, settings: Settings) -> schemas.JobDetail:
     listed = session.execute(job_rows().where(Job.id == row.id)).all()
-    view = jobs(session, listed, queue=queue_snapshot_for(session, [row], settings))[0]
+    # its attempts are loaded (`JOB_DETAIL_LOADS`): their metrics need no query of their own
+    attempts = [(a.job_id, a.latest_metrics, a.latest_step) for a in row.allocations if a.latest_metrics is not None]
+    view = jobs(session, listed, latest=_merged_latest(attempts), queue=queue_snapshot_for(session, [row], settings))[0]
     return schemas.JobDetail(
         **dict(view),  # its fields as they are: validated once, in `jobs`
         events=[
@@ -335,15 +346,22 @@ def allocation(row: Allocation) -> schemas.AllocationView:
     )
 
 
-def latest_metrics_by_job(session: Session, job_ids: Collection[int]) -> dict[int, tuple[dict[str, float], int | None]]:
+def latest_metrics_by_job(session: Session, job_ids: Collection[int]) -> dict[int, LatestMetrics]:
     """`latest_metrics` of each job in one query; jobs that reported nothing are absent."""
-    result: dict[int, tuple[dict[str, float], int | None]] = {}
     rows = session.execute(
         select(Allocation.job_id, Allocation.latest_metrics, Allocation.latest_step)
         .where(Allocation.job_id.in_(job_ids), Allocation.latest_metrics.is_not(None))
         .order_by(Allocation.job_id, Allocation.attempt)
     )
-    for job_id, metrics, newest_step in rows:  # later attempts overwrite earlier ones (None: filtered out)
+    return _merged_latest(rows)
+
+
+def _merged_latest(rows: Iterable[tuple[int, dict[str, float] | None, int | None]]) -> dict[int, LatestMetrics]:
+    """(job id, latest metrics, latest step) of attempts in the order they were made, each job's
+    attempts together: per job, its attempts' metrics merged (a later one's value wins) and the
+    last attempt's step."""
+    result: dict[int, LatestMetrics] = {}
+    for job_id, metrics, newest_step in rows:
         values, _ = result.setdefault(job_id, ({}, None))
         # Phalanx's own figures have their place (JobDetail.communication); these are the script's
         values.update((name, value) for name, value in (metrics or {}).items() if not name.startswith(figures.PREFIX))

@@ -96,8 +96,7 @@ async def list_jobs(
 
 def _load_job_detail(session: Session, user: Principal, job_id: int, settings: Settings) -> schemas.JobDetail:
     with session.begin():
-        access.job_for(session, user, job_id)
-        job = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
+        job = access.job_for(session, user, job_id, loads=views.JOB_DETAIL_LOADS)
         return views.job_detail(session, job, settings)
 
 

@@ -92,10 +92,9 @@ def _job_page(
     job_id: RowId, request: Request, session: Session, user: Principal, error: str | None = None, status: int = 200
 ) -> Response:
     with session.begin():
-        readable = access.job_for(session, user, job_id)
-        may_change = access.may_change_job(session, user, readable)
-        may_hold = access.may_hold_job(session, user, readable)
-        row = session.scalars(select(Job).where(Job.id == job_id).options(*views.JOB_DETAIL_LOADS)).one()
+        row = access.job_for(session, user, job_id, loads=views.JOB_DETAIL_LOADS)
+        may_change = access.may_change_job(session, user, row)
+        may_hold = access.may_hold_job(session, user, row)
         job = views.job_detail(session, row, get_settings(request))
         saved = [views.checkpoint(c) for c in checkpoints.committed(session, job_id)]
         log_cursor = session.execute(select(func.max(LogLine.id)).where(LogLine.job_id == job_id)).scalar_one() or 0

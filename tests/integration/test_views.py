@@ -14,6 +14,7 @@ from phalanx.schemas import AgentState, JobSpec, JobState, StudySpec
 from server import jobs, studies, views
 from server.db import session_factory, session_scope
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial, User
+from server.settings import Settings
 from tests.statements import counting
 
 pytestmark = pytest.mark.integration
@@ -187,3 +188,13 @@ def test_a_stored_spec_is_validated_once_unless_it_is_too_long_to_keep() -> None
     assert len(long) > views.MAX_KEPT_SPEC_CHARS
     assert views.stored_spec(long) is not views.stored_spec(long)
     assert views.stored_spec(long) == JobSpec.model_validate_json(long)
+
+
+def test_a_jobs_detail_shows_the_same_latest_metrics_as_its_row_in_a_list(populated: str, settings: Settings) -> None:
+    with session_factory(populated)() as session, session.begin():
+        listed = views.jobs(session, every_job(session))
+        for view in listed:
+            row = session.scalars(select(Job).where(Job.id == view.id).options(*views.JOB_DETAIL_LOADS)).one()
+            detail = views.job_detail(session, row, settings)
+            assert (detail.latest_metrics, detail.latest_step) == (view.latest_metrics, view.latest_step)
+    assert any(view.latest_metrics for view in listed)
