@@ -2,7 +2,7 @@
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
                                 [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
-                                [--servers 1] [--heartbeat-server | --people-server]
+                                [--servers 1] [--heartbeat-server | --people-server [--reads-server]]
                                 [--nodes-server-nice 0] [--probed-agents 50]
                                 [--setting NAME=VALUE] [--json]
 
@@ -43,7 +43,8 @@ server i mod N, as round-robin DNS would spread them, and the admin, submitters 
 to the first; `server_rss_mb` is then the largest one's. With `--heartbeat-server`, one more
 replica serves the agents' heartbeats and nothing else (as a balancer's path rule would send them);
 with `--people-server`, that replica serves the people's calls too (the admin, the submitters and
-the reader), and the nodes' calls (work, reports, logs, metrics) have the others to themselves.
+the reader), and the nodes' calls (work, reports, logs, metrics) have the others to themselves;
+`--reads-server` with it moves the people's calls to one more replica (three pools).
 
 Phases: register the agents, submit the backlog, release it and time the fill (allocations counted
 in the database every 0.1 s until the count stops rising for 2 s or the cluster is full:
