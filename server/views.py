@@ -46,7 +46,7 @@ JOB_DETAIL_LOADS = (
 
 # The columns of a job's view, its owner's name and its trial joined: a page of jobs in one query,
 # read as rows. As ORM objects, their owners loaded and each spec validated, a page of 100 cost
-# ~8 ms of a server's core and a fifth of a busy cluster's jobs-list time (bench/bench_scale.py).
+# ~11 ms of a loaded server's core, where it costs ~7 so (bench/RESULTS.md, "Eleventh session").
 JOB_VIEW_COLUMNS = (
     Job.id,
     Job.name,
