@@ -32,7 +32,9 @@ else is simulated in this process with asyncio, no torch:
   timeout, and the server declared agents lost that the probe's process kept alive). A probe that
   sent all 1,000 agents' heartbeats itself ran its own timers 50-70 ms late at p99, and every
   latency it timed included that; the beater's own timing (`heartbeat_p99_ms_in_beater`) still
-  does (`beater_loop_lag_p99_ms`).
+  does (`beater_loop_lag_p99_ms`). The beater writes its HTTP/1.1 by hand (`BareHeartbeats`), and
+  none of the simulator's processes runs full garbage collections (`CollectorPauses`): the load
+  generator's own costs are the machine's, not the server's (`simulator_gc_pause_s`).
 - The floor: the probe also sends a heartbeat's twin, 10 a second over 20 kept-alive connections,
   to a server of its own that answers 204 and does nothing else (`bench/floor_server.py`):
   `floor_p99_ms` is what the loaded machine adds to any call, the server's own share of a
@@ -63,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import itertools
 import json
 import multiprocessing
@@ -74,7 +77,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
@@ -137,6 +140,31 @@ GOALS = {
     "api_p99_ms": ("<=", 150.0),
     "server_rss_mb": ("<=", 600.0),
 }
+
+
+class CollectorPauses:
+    """The load generator's own garbage collector: full collections off, and every collection's
+    pause timed. At 1,000 agents the simulator's heap holds ~550,000 tracked objects (7,000 nodes'
+    tasks, their futures, coroutines and connections), and each full collection stopped its event
+    loop for 1-2 s on the loaded machine (26 in a run, 25 s in all): every call delayed meanwhile
+    then went at once, bursts that agents on machines of their own never send, and the servers'
+    latencies carried them. Young collections still run; a cycle that lives long enough to reach
+    the oldest generation stays until the process ends (one run)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.longest = 0.0
+        self._began = 0.0
+        gc.set_threshold(*gc.get_threshold()[:2], 1 << 30)
+        gc.callbacks.append(self._timed)
+
+    def _timed(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._began
+        self.seconds += pause
+        self.longest = max(self.longest, pause)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -244,7 +272,7 @@ class ApiFailed(RuntimeError):
         self.status = status
 
 
-async def cancel_until_done(tasks: list[asyncio.Future[None]]) -> None:
+async def cancel_until_done(tasks: Sequence[asyncio.Future[None]]) -> None:
     """Cancel `tasks` (and those they spawn meanwhile into the same list) until every one ended.
     Once is not enough on Python 3.11: `asyncio.wait_for` swallows a cancellation that lands as its
     timeout fires (fixed in 3.12), and a node that went on then waited for ever on its agent's
@@ -531,14 +559,17 @@ class Probe:
         """Agent `agent_id`'s heartbeat to `url` every interval, timed as `route`, on a connection of
         its own kept alive between beats, as a real agent's heartbeat thread keeps one: drawn from a
         pool that every agent shares, a beat opened a new connection whenever the others' were
-        busy, and waited with it in the server's listen queue."""
-        beats = Api(url, self.tally, connections=1)
+        busy, and waited with it in the server's listen queue. The beater sends its agents' beats
+        with `BareHeartbeats`, not aiohttp (see there); the probe times its own with aiohttp."""
+        beats: Api | BareHeartbeats = (
+            BareHeartbeats(url, self.tally) if self.floor_url is None else Api(url, self.tally, connections=1)
+        )
         try:
             while True:
                 began = time.monotonic()
                 try:
                     await beats.call(route, "POST", f"/agents/{agent_id}/heartbeat", token)
-                except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
+                except (TimeoutError, ApiFailed, aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
                     self.note_error(route, exc)  # a 409 (declared lost) is counted, not re-registered
                     if isinstance(exc, ApiFailed) and exc.status == 409:
                         self.lost.add(agent_id)
@@ -575,7 +606,74 @@ class Probe:
             self.tally.note("probe loop lag", 200, max(0.0, time.perf_counter() - began - 0.05))
 
 
+class BareHeartbeats:
+    """One agent's heartbeats over one kept-alive HTTP/1.1 connection, written and parsed by hand:
+    the beater's 950 agents through aiohttp took ~0.17 of the machine's 2 cores (~0.35 ms of
+    client work a beat), the server machine's share of load that real agents put on their own
+    machines. The same requests and answers as `Api.call` for a heartbeat: a connection the server
+    closed is opened again and the beat sent again, any other status is `ApiFailed`."""
+
+    def __init__(self, url: str, tally: Tally) -> None:
+        host, _, port = url.removeprefix("http://").partition(":")
+        self.host, self.port, self.tally = host, int(port), tally
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def call(self, route: str, method: str, path: str, token: str) -> None:
+        request = (
+            f"{method} {API}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Length: 0\r\n\r\n"
+        ).encode()
+        started = time.perf_counter()
+        for attempt in range(RECONNECTS + 1):
+            try:
+                if self.streams is None:
+                    self.streams = await asyncio.open_connection(self.host, self.port)
+                reader, writer = self.streams
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WORK_WAIT_S + 30)
+                status, length, closes = _parse_head(head)
+                body = await reader.readexactly(length) if length else b""
+                if closes:
+                    await self.close()
+                break
+            except (ConnectionError, asyncio.IncompleteReadError):
+                # closed by the server between beats (its keep-alive), or reset as it closed: again
+                await self.close()
+                if attempt == RECONNECTS:
+                    raise
+            except BaseException:
+                await self.close()  # a cancelled or timed-out beat leaves an answer unread behind it
+                raise
+        self.tally.note(route, status, time.perf_counter() - started)
+        if status != 204:
+            raise ApiFailed(route, status, body[:300].decode(errors="replace"))
+
+    async def close(self) -> None:
+        if self.streams is not None:
+            writer = self.streams[1]
+            self.streams = None
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+def _parse_head(head: bytes) -> tuple[int, int, bool]:
+    """The status, the body's length and whether the server closes the connection after it."""
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    length, closes = 0, False
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"connection":
+            closes = value.strip().lower() == b"close"
+    return status, length, closes
+
+
 def _run_probe(url: str, beats_url: str, floor_url: str | None, commands: Connection) -> None:
+    CollectorPauses()
     asyncio.run(Probe(url, beats_url, floor_url, commands).run())
 
 
@@ -1027,7 +1125,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 async def simulate() -> dict[str, Any]:  # aiohttp binds to the running loop
                     return await Simulation(args, urls, database_url, pids, floor, beats, reads).run()
 
+                collector = CollectorPauses()
                 result = asyncio.run(simulate())
+                result["simulator_gc_pause_s"] = round(collector.seconds, 2)
+                result["simulator_gc_longest_ms"] = round(collector.longest * 1000, 1)
                 group.check()
             finally:
                 group.close()

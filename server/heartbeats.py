@@ -13,14 +13,17 @@ heartbeat (the agent's first here, or one after a refusal or a failed write) ret
 in the database, exactly as a write of its own would: it raises `NotFound` for an agent that is
 not registered and `Conflict` for one declared LOST. A heartbeat whose agent's row another
 transaction holds (the reaper may be declaring it lost) waits for a later batch instead of
-holding up the whole batch. An idle server writes a lone heartbeat at
-once; heartbeats that arrive during a write wait for it to finish and go in the next, so under
-load the batches grow instead of the queue. One per server process, used from its event loop.
+holding up the whole batch. A heartbeat that waits for its write is written at once, or as soon as
+the write under way ends; heartbeats answered already gather for `GATHER_S` after the last write
+began, so a busy server writes a few batches a second, whatever the number of agents, and the
+stamp of a live agent lags its heartbeat by at most that much (against a timeout of seconds).
+One per server process, used from its event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -40,6 +43,11 @@ def _engine(database_url: str) -> Engine:
 
 # How soon a heartbeat whose agent's row was locked is tried again.
 BUSY_RETRY_S = 0.05
+# How long heartbeats that were answered already gather before they are written: written as soon
+# as the previous write ended, 500 a second went in batches of a few, each a transaction of its own
+# (a commit, its WAL flush and three round trips) and a sixth of the server process's busy time
+# (`bench/bench_scale.py`). A heartbeat that waits for its write never waits for this.
+GATHER_S = 0.25
 
 
 class HeartbeatBatcher:
@@ -55,6 +63,9 @@ class HeartbeatBatcher:
         self._counted: set[int] = set()  # agents whose last heartbeat written here counted
         self._writer: asyncio.Task[None] | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
+        self._last_write = 0.0  # the event loop's time when the last write began
+        # set to end the gathering early: a heartbeat waits for its write
+        self._gathering: asyncio.Future[None] | None = None
 
     async def beat(self, agent_id: int) -> None:
         answers = self._waiting.setdefault(agent_id, [])
@@ -64,6 +75,8 @@ class HeartbeatBatcher:
             return
         answer: asyncio.Future[HeartbeatOutcome | None] = asyncio.get_running_loop().create_future()
         answers.append(answer)
+        if self._gathering is not None and not self._gathering.done():
+            self._gathering.set_result(None)
         outcome = await answer
         if outcome == "unknown":
             raise NotFound(f"agent {agent_id} is not registered; register it first")
@@ -71,8 +84,11 @@ class HeartbeatBatcher:
             raise Conflict(f"agent {agent_id} was declared lost; register again to take work")
 
     async def _write_while_waiting(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._waiting:
+            await self._gather(loop)
             batch, self._waiting = self._waiting, {}
+            self._last_write = loop.time()
             try:
                 outcomes = await asyncio.get_running_loop().run_in_executor(self._thread, self._write, sorted(batch))
             except Exception as exc:  # the database is down: every waiting heartbeat fails as its own would
@@ -97,6 +113,18 @@ class HeartbeatBatcher:
                         answer.set_result(outcomes.get(agent_id))
             if busy:
                 await asyncio.sleep(BUSY_RETRY_S)
+
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until `GATHER_S` after the last write began, unless a heartbeat waits for its write."""
+        delay = self._last_write + GATHER_S - loop.time()
+        if delay <= 0 or any(self._waiting.values()):
+            return
+        self._gathering = loop.create_future()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gathering, delay)
+        finally:
+            self._gathering = None
 
     def _write(self, agent_ids: list[int]) -> dict[int, HeartbeatOutcome]:
         with self._sessions() as session, session.begin():
