@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, select
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, select
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -28,6 +28,36 @@ class SchemaOutOfDate(RuntimeError):
     pass
 
 
+# Phalanx's own option in a PostgreSQL URL, taken out before the URL reaches the driver: psycopg
+# prepares a statement on the server after its fifth run on a connection, and behind PgBouncer in
+# transaction mode (before 1.21) the next transaction may get another server connection, which
+# has no such statement or one by the same name ("prepared statement "_pg3_0" does not exist").
+# `?prepare_threshold=none` turns that off; a number sets psycopg's threshold.
+PREPARE_THRESHOLD = "prepare_threshold"
+
+
+def driver_options(url: str) -> tuple[str, dict[str, Any]]:
+    """`url` without Phalanx's own options, and those options as the driver's connect arguments.
+    Raises ValueError naming the option when its value is neither a count nor `none`."""
+    if url.startswith("sqlite") or f"{PREPARE_THRESHOLD}=" not in url:
+        return url, {}
+    parsed = make_url(url)
+    value = parsed.query.get(PREPARE_THRESHOLD)
+    if value is None:
+        return url, {}
+    if not isinstance(value, str):
+        raise ValueError(f"the database URL gives {PREPARE_THRESHOLD} more than once; give it once")
+    stripped = parsed.difference_update_query([PREPARE_THRESHOLD]).render_as_string(hide_password=False)
+    if value.lower() in ("none", "off", ""):
+        return stripped, {PREPARE_THRESHOLD: None}
+    if not value.isdigit():
+        raise ValueError(
+            f"the database URL's {PREPARE_THRESHOLD}={value!r} is neither a count nor 'none' "
+            "('none' behind PgBouncer in transaction mode)"
+        )
+    return stripped, {PREPARE_THRESHOLD: int(value)}
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
@@ -36,6 +66,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
         sqlite_pragmas(engine)
         return engine
+    url, connect_args = driver_options(url)
+    if connect_args:
+        kwargs["connect_args"] = {**connect_args, **kwargs.get("connect_args", {})}
     if "poolclass" not in kwargs:
         # At least the server's worker threads (`Settings.worker_threads`): connections over
         # pool_size are opened and closed per checkout, each a PostgreSQL backend forked and torn
@@ -89,11 +122,13 @@ def alembic_config(url: str) -> Any:
     return cfg
 
 
-def optuna_engine_kwargs(url: str) -> dict[str, Any]:
-    """The engine options of an Optuna RDBStorage on `url` (the migration's and `server.tuning`'s)."""
+def optuna_storage_options(url: str) -> tuple[str, dict[str, Any]]:
+    """The URL and engine options of an Optuna RDBStorage on `url` (the migration's and
+    `server.tuning`'s): Phalanx's own options in the URL become the driver's, as in `make_engine`."""
     if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": 30, "check_same_thread": False}}
-    return {"pool_pre_ping": True, "pool_size": 4, "max_overflow": 4}
+        return url, {"connect_args": {"timeout": 30, "check_same_thread": False}}
+    url, connect_args = driver_options(url)
+    return url, {"pool_pre_ping": True, "pool_size": 4, "max_overflow": 4, "connect_args": connect_args}
 
 
 def upgrade(url: str, revision: str = "head") -> None:
@@ -109,7 +144,8 @@ def upgrade_optuna(url: str) -> None:
     """Create Optuna's tables (or bring them to this Optuna's version). Migration time only."""
     from optuna.storages import RDBStorage  # ≈0.4 s: paid here only by whoever migrates
 
-    storage = RDBStorage(url, engine_kwargs=optuna_engine_kwargs(url), skip_compatibility_check=True)
+    storage_url, engine_kwargs = optuna_storage_options(url)
+    storage = RDBStorage(storage_url, engine_kwargs=engine_kwargs, skip_compatibility_check=True)
     try:
         if storage.get_current_version() != storage.get_head_version():
             storage.upgrade()

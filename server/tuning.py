@@ -21,7 +21,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.storages import RDBStorage
 
 from phalanx import schemas
-from server.db import check_optuna_schema, optuna_engine_kwargs, sqlite_pragmas
+from server.db import check_optuna_schema, optuna_storage_options, sqlite_pragmas
 
 log = logging.getLogger(__name__)
 # Optuna's names of the objects it keeps per trial; optuna-dashboard shows both.
@@ -38,7 +38,8 @@ def storage(url: str) -> RDBStorage:
     with _storages_lock:
         if url not in _storages:
             check_optuna_schema(url)
-            rdb = RDBStorage(url, engine_kwargs=optuna_engine_kwargs(url), skip_table_creation=True)
+            storage_url, engine_kwargs = optuna_storage_options(url)
+            rdb = RDBStorage(storage_url, engine_kwargs=engine_kwargs, skip_table_creation=True)
             if url.startswith("sqlite"):
                 # the same write-lock-first transactions as Phalanx's own engine, or two writers deadlock
                 sqlite_pragmas(rdb.engine)
