@@ -28,7 +28,16 @@ from server import checkpoints
 from server.errors import Conflict, NotFound, PhalanxError
 from server.models import Agent, Allocation, AllocationNode, Job, SlotLease, TuningStudy, TuningTrial
 from server.placement import Placement
-from server.transitions import db_now, schedule_jobs, start_nodes, start_running, transition, transition_node
+from server.transitions import (
+    complete_jobs,
+    db_now,
+    exit_nodes,
+    schedule_jobs,
+    start_nodes,
+    start_running,
+    transition,
+    transition_node,
+)
 from server.wakeups import note_agent_work, note_schedule
 
 RUNNING_STATES = (JobState.RUNNING.value, JobState.SCHEDULED.value)
@@ -137,6 +146,8 @@ class ReportedNode:
     job_id: int
     job_state: str
     node_id: int
+    node_state: str
+    attempt_open: bool  # active, and no failure, stop or preemption has begun ending it
 
 
 NodeKey = tuple[int, int]  # (allocation id, node rank)
@@ -157,6 +168,8 @@ def reported_nodes(
             AllocationNode.node_rank,
             AllocationNode.id,
             AllocationNode.agent_id,
+            AllocationNode.state,
+            Allocation.active & Allocation.end_reason.is_(None),
         )
         .select_from(Allocation)
         .join(Job, Job.id == Allocation.job_id)
@@ -166,11 +179,11 @@ def reported_nodes(
     if lock_jobs:
         query = query.with_for_update(of=Job)
     known: set[int] = set()
-    nodes: dict[NodeKey, tuple[int, str, int, int]] = {}
-    for allocation_id, job_id, job_state, node_rank, node_id, owner in session.execute(query):
+    nodes: dict[NodeKey, tuple[int, ReportedNode]] = {}
+    for allocation_id, job_id, job_state, node_rank, node_id, owner, node_state, open_ in session.execute(query):
         known.add(allocation_id)
         if node_id is not None:
-            nodes[(allocation_id, node_rank)] = (job_id, job_state, node_id, owner)
+            nodes[(allocation_id, node_rank)] = (owner, ReportedNode(job_id, job_state, node_id, node_state, open_))
     found: dict[NodeKey, ReportedNode | PhalanxError] = {}
     for allocation_id, node_rank in keys:
         key = (allocation_id, node_rank)
@@ -178,13 +191,12 @@ def reported_nodes(
             found[key] = NotFound(f"allocation {allocation_id} does not exist")
         elif key not in nodes:
             found[key] = NotFound(f"allocation {allocation_id} has no node rank {node_rank}")
-        elif (owner := nodes[key][3]) != agent_id:
+        elif (owner := nodes[key][0]) != agent_id:
             found[key] = Conflict(
                 f"node {node_rank} of allocation {allocation_id} belongs to agent {owner}, not to agent {agent_id}"
             )
         else:
-            job_id, job_state, node_id, _ = nodes[key]
-            found[key] = ReportedNode(job_id, job_state, node_id)
+            found[key] = nodes[key][1]
     return found
 
 
@@ -256,6 +268,60 @@ def report_node_started(session: Session, agent_id: int, allocation_id: int, nod
     refused = report_nodes_started(session, agent_id, [(allocation_id, node_rank)])[(allocation_id, node_rank)]
     if refused is not None:
         raise refused
+
+
+def report_nodes_exited(
+    session: Session, agent_id: int, reasons: Mapping[NodeKey, str]
+) -> tuple[dict[NodeKey, PhalanxError | None], set[NodeKey]]:
+    """Nodes that exited with code 0 from attempts still open, set-based, as `record_node_exit`
+    would one by one: the nodes exit and free their slots, and each attempt whose nodes all exited
+    with 0 ends with its job COMPLETED. The common end of every attempt, and an agent reports the
+    ends of the nodes it ran together. The caller holds the jobs' row locks.
+
+    Returns each handled key's refusal or None (a node already exited is left as it is), and the
+    keys left to `record_node_exit`: those of attempts already ending or ended, whose rules
+    (failures, restarts, presumed-gone peers) need the attempt loaded."""
+    found = reported_nodes(session, agent_id, reasons)
+    outcomes: dict[NodeKey, PhalanxError | None] = {}
+    left: set[NodeKey] = set()
+    exiting: dict[NodeKey, ReportedNode] = {}
+    for key, node in found.items():
+        if isinstance(node, PhalanxError):
+            outcomes[key] = node
+        elif node.node_state == NodeState.EXITED.value:
+            outcomes[key] = None
+        elif not node.attempt_open or node.job_state not in RUNNING_STATES:
+            left.add(key)
+        else:
+            exiting[key] = node
+            outcomes[key] = None
+    if not exiting:
+        return outcomes, left
+    now = db_now(session)
+    moved = exit_nodes(session, {node.node_id: reasons[key] for key, node in exiting.items()}, now)
+    session.execute(delete(SlotLease).where(SlotLease.node_id.in_(sorted(moved))))
+    note_schedule(session)  # slots were freed
+    jobs = {allocation_id: (node.job_id, node.job_state) for (allocation_id, _), node in exiting.items()}
+    unfinished = set(
+        session.scalars(
+            select(AllocationNode.allocation_id)
+            .where(
+                AllocationNode.allocation_id.in_(sorted(jobs)),
+                (AllocationNode.state != NodeState.EXITED.value) | AllocationNode.exit_code.is_distinct_from(0),
+            )
+            .distinct()
+        )
+    )
+    finished = {allocation_id: job for allocation_id, job in jobs.items() if allocation_id not in unfinished}
+    if finished:
+        complete_jobs(session, dict(finished.values()), "every rank exited with code 0", now)
+        session.execute(
+            update(Allocation)
+            .where(Allocation.id.in_(sorted(finished)))
+            .values(active=False, fenced=True, ended_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    return outcomes, left
 
 
 # --- start -----------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ all of them each second: one call per node and per allocation was most of the se
 1,000 agents (`bench/bench_scale.py`), most of it the framework's cost per request.
 
 Many in one call: one transaction, each report applied or refused (404, 409) on its own, its
-outcome saying why as its own call would have: a run of started reports set-based (checked
-before anything is written), any other report in a savepoint. The jobs the reports touch are
+outcome saying why as its own call would have: a run of started reports, or of exits with code 0,
+set-based (checked before anything is written), any other report in a savepoint. The jobs the reports touch are
 locked first, in id order: two calls holding several job locks each can then never wait for each
 other in a cycle.
 """
@@ -60,19 +60,45 @@ def apply_report(
 def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]) -> list[ReportOutcome]:
     """Each report in order, in the caller's transaction; one outcome per report. A run of started
     reports is applied together, set-based (`attempts.report_nodes_started`: it checks every node
-    before it writes, so a refused one changes nothing); any other report in a savepoint of its own."""
+    before it writes, so a refused one changes nothing), and so is a run of exits with code 0
+    (`attempts.report_nodes_exited`), but for those of attempts already ending; any other report
+    in a savepoint of its own."""
     locked = _lock_jobs_of(session, {r.allocation_id for r in reports})
+
+    def one_by_one(run: Sequence[NodeReport]) -> list[ReportOutcome]:
+        return _each(session, run, lambda report: apply_report(session, agent_id, report, locked))
+
     outcomes: list[ReportOutcome] = []
-    for is_started, run in groupby(reports, key=lambda r: isinstance(r, StartedReport)):
-        if is_started:
-            keys = [(r.allocation_id, r.node_rank) for r in run if isinstance(r, StartedReport)]
+    for kind, grouped in groupby(reports, key=_kind):
+        run = list(grouped)
+        keys = [(r.allocation_id, r.node_rank) for r in run if not isinstance(r, RendezvousReport)]
+        if kind == "started":
             refused = attempts.report_nodes_started(session, agent_id, keys)
             outcomes += [_refusal(refused[key]) for key in keys]
-            for job in locked.values():  # it moved them by statement: read again at next use
-                session.expire(job)
+        elif kind == "clean exit":
+            reasons: dict[attempts.NodeKey, str] = {}
+            for r in run:
+                if isinstance(r, ExitReport):
+                    reasons.setdefault((r.allocation_id, r.node_rank), r.reason)  # a resent one changes nothing
+            handled, left = attempts.report_nodes_exited(session, agent_id, reasons)
+            rest = iter(one_by_one([r for r, key in zip(run, keys, strict=True) if key in left]))
+            outcomes += [_refusal(handled[key]) if key in handled else next(rest) for key in keys]
         else:
-            outcomes += _each(session, list(run), lambda report: apply_report(session, agent_id, report, locked))
+            outcomes += one_by_one(run)
+            continue
+        for job in locked.values():  # moved by statement: read again at next use
+            session.expire(job)
     return outcomes
+
+
+def _kind(report: NodeReport) -> str:
+    """Which reports are applied together, set-based: a run of started reports, or of exits with
+    code 0 (every attempt's common end); any other report on its own."""
+    if isinstance(report, StartedReport):
+        return "started"
+    if isinstance(report, ExitReport) and report.exit_code == 0:
+        return "clean exit"
+    return "other"
 
 
 @dataclass(frozen=True, slots=True)

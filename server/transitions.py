@@ -236,6 +236,65 @@ def start_nodes(session: Session, node_ids: Collection[int]) -> set[int]:
     return set(moved)
 
 
+def exit_nodes(session: Session, reasons: Mapping[int, str], now: datetime) -> set[int]:
+    """ASSIGNED or RUNNING → EXITED with code 0 for nodes, by id, each with its reason, in one
+    UPDATE per distinct reason (the caller holds their jobs' row locks); the nodes that moved: one
+    already EXITED (a report sent again) is left as it is."""
+    if not reasons:
+        return set()
+    movable = [state.value for state, targets in NODE_ALLOWED.items() if NodeState.EXITED in targets]
+    moved: set[int] = set()
+    by_reason: dict[str, list[int]] = {}
+    for node_id, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(node_id)
+    for reason, node_ids in sorted(by_reason.items()):
+        moved |= set(
+            session.scalars(
+                update(AllocationNode)
+                .where(AllocationNode.id.in_(sorted(node_ids)), AllocationNode.state.in_(movable))
+                .values(state=NodeState.EXITED.value, exit_code=0, reason=reason, ended_at=now)
+                .returning(AllocationNode.id)
+                .execution_options(synchronize_session=False)
+            )
+        )
+    return moved
+
+
+def complete_jobs(session: Session, from_states: Mapping[int, str], reason: str, now: datetime) -> set[int]:
+    """Jobs whose rows the caller locked, each in the state it read under that lock, → COMPLETED,
+    without loading them: one UPDATE per state they leave and one insert of events (an agent
+    reports the ends of the nodes it ran together). The jobs that moved; one that left its state
+    meanwhile is left as it is."""
+    moved: dict[int, str] = {}
+    for current in sorted(set(from_states.values())):
+        if not can_transition(S(current), S.COMPLETED):
+            raise IllegalTransition("job", min(from_states), current, S.COMPLETED.value)
+        ids = sorted(job_id for job_id, state in from_states.items() if state == current)
+        for job_id in session.scalars(
+            update(Job)
+            .where(Job.id.in_(ids), Job.state == current)
+            .values(state=S.COMPLETED.value, wait_reason=None, ended_at=now)
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        ):
+            moved[job_id] = current
+    if not moved:
+        return set()
+    session.execute(
+        insert(JobEvent),
+        [
+            {"job_id": job_id, "time": now, "from_state": state, "to_state": S.COMPLETED.value, "reason": reason}
+            for job_id, state in sorted(moved.items())
+        ],
+    )
+    for job_id in moved:
+        note_job_change(session, job_id)
+    studies = select(TuningTrial.study_id).where(TuningTrial.job_id.in_(sorted(moved))).distinct()
+    for study_id in session.scalars(studies):
+        note_study_change(session, study_id, trial_ended=True)
+    return set(moved)
+
+
 def record_event(session: Session, job: Job, reason: str) -> None:
     """An event that moves nothing (a preemption made for the job), in the job's history."""
     state = JobState(job.state).value

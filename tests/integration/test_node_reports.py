@@ -16,7 +16,7 @@ from phalanx.schemas import ExitReport, JobState, NodeState
 from phalanx.schemas.protocol import MAX_REPORTS_PER_CALL
 from server import attempts
 from server.db import session_scope
-from server.models import AllocationNode, Job, LogLine
+from server.models import Allocation, AllocationNode, Job, JobEvent, LogLine, SlotLease
 from server.settings import Settings
 from tests.agent_tokens import as_agent, token_of
 from tests.conftest import AGENT_TOKEN
@@ -122,6 +122,86 @@ def test_calls_that_lock_the_same_jobs_in_opposite_orders_both_apply(client: Tes
     for caller in callers:
         caller.join()
     assert answers == [200] * 40
+
+
+def attempt_of(settings: Settings, job_id: int) -> tuple[bool, list[tuple[int, str, int | None]], int, list[str]]:
+    """The job's first attempt: whether it is active, its nodes (rank, state, exit code), the
+    slots it still holds, and the job's history (from → to: reason)."""
+    with session_scope(settings.database_url) as session:
+        allocation = session.scalars(select(Allocation).where(Allocation.job_id == job_id)).one()
+        nodes = [(n.node_rank, n.state, n.exit_code) for n in sorted(allocation.nodes, key=lambda n: n.node_rank)]
+        held = session.execute(
+            select(func.count()).select_from(SlotLease).where(SlotLease.node_id.in_([n.id for n in allocation.nodes]))
+        ).scalar_one()
+        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+        return allocation.active, nodes, held, [f"{e.from_state} → {e.to_state}: {e.reason}" for e in events]
+
+
+def test_the_clean_exits_an_agent_reports_together_end_their_attempts(client: TestClient, settings: Settings) -> None:
+    """Exits with code 0 of attempts still open are applied together (`attempts.report_nodes_exited`),
+    with every effect one exit of its own has: nodes exited, slots freed, the job COMPLETED with
+    its event when its last node exited, the attempt closed. A gang completes only at its last
+    node; a report sent again, and refused ones, change nothing."""
+    ((solo, solo_alloc, agent),) = placed(client, settings, 1)
+    report(client, agent, started(solo_alloc))
+    peer = register(client, "n1", slots=1)
+    gang = submit(client, spec(resources={"nodes": 2})).json()["id"]
+    schedule(settings)
+    with session_scope(settings.database_url) as session:
+        gang_alloc = attempts.active_allocation(session, gang)
+        assert gang_alloc is not None
+        rank_of = {n.agent_id: n.node_rank for n in gang_alloc.nodes}
+        gang_alloc_id = gang_alloc.id
+    assert sorted(rank_of) == sorted([agent, peer]), "the gang's nodes are on the two agents"
+    for owner, rank in rank_of.items():
+        report(client, owner, {**started(gang_alloc_id), "node_rank": rank})
+    gang_exit = {**exited(gang_alloc_id), "node_rank": rank_of[agent]}
+    peer_exit = {**exited(gang_alloc_id), "node_rank": rank_of[peer]}
+
+    outcomes = report(client, agent, exited(solo_alloc), gang_exit, exited(999_999), peer_exit, exited(solo_alloc))
+    assert [o["status"] for o in outcomes] == [204, 204, 404, 409, 204]
+    assert "999999 does not exist" in outcomes[2]["error"]
+    assert f"belongs to agent {peer}" in outcomes[3]["error"]
+    assert job_states(settings, [solo, gang]) == ["COMPLETED", "RUNNING"]
+    active, nodes, held, history = attempt_of(settings, solo)
+    assert (active, nodes, held) == (False, [(0, "EXITED", 0)], 0)
+    assert history[-1] == "RUNNING → COMPLETED: every rank exited with code 0"
+    active, nodes, held, _ = attempt_of(settings, gang)
+    assert (active, held) == (True, 1), "the gang's attempt waits for its other node"
+    assert sorted(nodes)[rank_of[agent]][1:] == ("EXITED", 0)
+
+    assert [o["status"] for o in report(client, peer, peer_exit, peer_exit)] == [204, 204]
+    assert job_states(settings, [gang]) == ["COMPLETED"]
+    active, nodes, held, history = attempt_of(settings, gang)
+    assert (active, [n[1:] for n in nodes], held) == (False, [("EXITED", 0)] * 2, 0)
+    assert [h for h in history if h.endswith("every rank exited with code 0")] == [
+        "RUNNING → COMPLETED: every rank exited with code 0"
+    ]
+
+
+def test_a_clean_exit_of_an_attempt_already_ending_follows_its_failure(client: TestClient, settings: Settings) -> None:
+    """A node that exits with 0 after its gang's peer failed does not complete the job: the
+    attempt ends as a failure and the job restarts, beside another job's exit completing it."""
+    ((solo, solo_alloc, agent),) = placed(client, settings, 1)
+    peer = register(client, "n1", slots=1)
+    gang = submit(client, spec(resources={"nodes": 2}, max_restarts=1)).json()["id"]
+    schedule(settings)
+    with session_scope(settings.database_url) as session:
+        gang_alloc = attempts.active_allocation(session, gang)
+        assert gang_alloc is not None
+        rank_of = {n.agent_id: n.node_rank for n in gang_alloc.nodes}
+        gang_alloc_id = gang_alloc.id
+    report(client, agent, started(solo_alloc), {**started(gang_alloc_id), "node_rank": rank_of[agent]})
+    report(client, peer, {**started(gang_alloc_id), "node_rank": rank_of[peer]})
+    report(client, peer, {**exited(gang_alloc_id, 7), "node_rank": rank_of[peer]})
+    assert job_states(settings, [gang]) == ["RESTARTING"]
+
+    outcomes = report(client, agent, {**exited(gang_alloc_id), "node_rank": rank_of[agent]}, exited(solo_alloc))
+    assert [o["status"] for o in outcomes] == [204, 204]
+    assert job_states(settings, [solo, gang]) == ["COMPLETED", "QUEUED"]
+    active, nodes, held, history = attempt_of(settings, gang)
+    assert (active, sorted(n[1:] for n in nodes), held) == (False, [("EXITED", 0), ("EXITED", 7)], 0)
+    assert not any(h.endswith("every rank exited with code 0") for h in history)
 
 
 def test_bounds_are_checked_before_anything_is_applied(client: TestClient, settings: Settings) -> None:
