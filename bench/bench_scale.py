@@ -76,7 +76,8 @@ import socket
 import sys
 import tempfile
 import time
-from collections import defaultdict
+import traceback
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -953,6 +954,7 @@ class Simulation:
         cpu_after = self.cpu_seconds()
         stop.set()
         self.stored_jobs = await self.count("SELECT count(*) FROM jobs")
+        died = self.tasks_died()
         await cancel_until_done(self.tasks)
         for api in [*self.apis, *(api for api in (self.heartbeat_api, self.reads_api) if api is not None)]:
             await api.close()
@@ -1030,10 +1032,24 @@ class Simulation:
             "cores_busy_steady": {
                 name: round((cpu_after.get(name, 0) - cpu_before.get(name, 0)) / steady_s, 2) for name in cpu_after
             },
+            # a simulated agent's task that ended on an error it did not expect: its agent stopped
+            # reporting, and the run measured fewer agents than it says (the first one's traceback
+            # is logged)
+            "simulator_tasks_died": died,
             "non_2xx": dict(self.tally.statuses),
             "client_errors": dict(self.errors),
             "client_error_examples": self.error_examples,
         }
+
+    def tasks_died(self) -> dict[str, int]:
+        """The simulator's tasks that ended on an exception before the run's end, by its type."""
+        died: Counter[str] = Counter()
+        for task in self.tasks:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                if not died:
+                    log("a simulated agent's task died: " + "".join(traceback.format_exception(exc)))
+                died[type(exc).__name__] += 1
+        return dict(died)
 
     async def watch_loop_lag(self, stop: asyncio.Event) -> None:
         """How late a 50 ms sleep of this process wakes: the simulator's own share of the latencies."""

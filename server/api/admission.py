@@ -13,11 +13,12 @@ however often it is sent (batch ids, report outcomes).
 
 Contract: while `limit` calls of agents and ranks wait for or run on the agents' threads (counted
 by `in_agent_thread` and `MetricWriter.store` in `AgentBacklog`), one more of these is answered 429
-with a `Retry-After` and changes nothing. A call still sending its body, or still being
-authenticated, is not counted: counted from the door, as many clients as the limit, sending their
-bodies slowly on purpose, kept every node's calls out. Heartbeats, registration, the work
-long-poll, checkpoints and every person's request are never refused here. One per server process,
-used from its event loop.
+with a `Retry-After` and changes nothing; lines and metric batches already past `BULK_SHARE` of
+`limit`, so that node reports (starts, exits) still go through while telemetry waits. A call
+still sending its body, or still being authenticated, is not counted: counted from the door, as
+many clients as the limit, sending their bodies slowly on purpose, kept every node's calls out.
+Heartbeats, registration, the work long-poll, checkpoints and every person's request are never
+refused here. One per server process, used from its event loop.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.security_headers import ALWAYS, CONTENT_SECURITY_POLICY
 
-# POSTs of an agent's node reports and lines (many in one call, or one node's), and of a rank's
-# metric batch
-SHEDDABLE = re.compile(
-    r"/api/v1/(?:agents/[0-9]{1,10}/(?:reports|logs|allocations/[0-9]{1,10}/(?:rendezvous|started|exit|logs))"
-    r"|allocations/[0-9]{1,10}/metrics)"
+# POSTs of an agent's node reports (many in one call, or one node's): what moves nodes and jobs
+LIFECYCLE = re.compile(r"/api/v1/agents/[0-9]{1,10}/(?:reports|allocations/[0-9]{1,10}/(?:rendezvous|started|exit))")
+# POSTs of a node's output lines (an agent's, or one allocation's) and of a rank's metric batch
+BULK = re.compile(
+    r"/api/v1/(?:agents/[0-9]{1,10}/(?:logs|allocations/[0-9]{1,10}/logs)|allocations/[0-9]{1,10}/metrics)"
 )
+SHEDDABLE = re.compile(f"{LIFECYCLE.pattern}|{BULK.pattern}")
+# Lines and metrics are refused once this share of the limit is in: the rest is kept for the node
+# reports. Shared alike, a node's start reported in a storm of metric batches was refused again
+# and again, each time after a longer backoff, and the node-start storm lasted minutes where it
+# took 40 s (`bench/bench_scale.py`, RESULTS.md "Thirteenth session").
+BULK_SHARE = 0.75
 RETRY_AFTER_S = 1
 DRAIN_LIMIT = 1 << 20
 REFUSAL = json.dumps(
@@ -65,15 +72,19 @@ class NodeCallAdmission:
     def __init__(self, app: ASGIApp, limit: int, backlog: AgentBacklog) -> None:
         self.app = app
         self.limit = limit
+        self.bulk_limit = max(1, int(limit * BULK_SHARE))
         self.backlog = backlog
         self.refused = 0  # since the process started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            self.backlog.calls >= self.limit
+            self.backlog.calls >= self.bulk_limit
             and scope["type"] == "http"
             and scope["method"] == "POST"
-            and SHEDDABLE.fullmatch(scope["path"])
+            and (
+                BULK.fullmatch(scope["path"])
+                or (self.backlog.calls >= self.limit and LIFECYCLE.fullmatch(scope["path"]))
+            )
         ):
             self.refused += 1
             await _drain(receive)

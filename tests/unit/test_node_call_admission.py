@@ -14,7 +14,7 @@ from typing import Any, TypeVar, cast
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from server.api.admission import SHEDDABLE, AgentBacklog, NodeCallAdmission
+from server.api.admission import BULK, BULK_SHARE, LIFECYCLE, SHEDDABLE, AgentBacklog, NodeCallAdmission
 from server.api.deps import Services, in_agent_thread
 
 SHED = [
@@ -50,6 +50,12 @@ def run(story: Coroutine[Any, Any, T]) -> T:
 @pytest.mark.parametrize("path", SHED)
 def test_the_nodes_calls_are_the_ones_that_may_be_refused(path: str) -> None:
     assert SHEDDABLE.fullmatch(path)
+
+
+@pytest.mark.parametrize("path", SHED)
+def test_each_of_them_is_a_node_report_or_telemetry(path: str) -> None:
+    telemetry = path.endswith(("/logs", "/metrics"))
+    assert (bool(BULK.fullmatch(path)), bool(LIFECYCLE.fullmatch(path))) == (telemetry, not telemetry)
 
 
 @pytest.mark.parametrize("path", NEVER_SHED)
@@ -116,6 +122,31 @@ def test_past_the_limit_a_nodes_call_is_refused_and_the_rest_go_through() -> Non
         assert [answer[0] for answer in await asyncio.gather(first, *others)] == [204] * (1 + len(others))
         assert backlog.calls == 0
         assert (await call(admission, "POST", "/api/v1/agents/7/reports"))[0] == 204, "admitted again"
+
+    run(story())
+
+
+def test_lines_and_metrics_are_refused_first_and_node_reports_keep_the_rest() -> None:
+    """Past `BULK_SHARE` of the limit a metric batch or a log call is refused, a node's report
+    still goes in, until the limit itself."""
+
+    async def story() -> None:
+        backlog = AgentBacklog()
+        inner = HeldApp(backlog)
+        admission = NodeCallAdmission(inner, limit=4, backlog=backlog)
+        assert admission.bulk_limit == int(4 * BULK_SHARE) == 3
+        held = [asyncio.create_task(call(admission, "POST", "/api/v1/allocations/3/metrics")) for _ in range(3)]
+        while backlog.calls < 3:
+            await asyncio.sleep(0.01)
+        for path in ["/api/v1/allocations/3/metrics", "/api/v1/agents/7/logs", "/api/v1/agents/7/allocations/3/logs"]:
+            assert (await call(admission, "POST", path))[0] == 429, path
+        held.append(asyncio.create_task(call(admission, "POST", "/api/v1/agents/7/reports")))
+        while backlog.calls < 4:  # admitted: the reserve was the reports'
+            await asyncio.sleep(0.01)
+        assert (await call(admission, "POST", "/api/v1/agents/7/allocations/3/exit"))[0] == 429, "at the limit"
+        assert (inner.calls, admission.refused) == (4, 4)
+        inner.release.set()
+        assert [answer[0] for answer in await asyncio.gather(*held)] == [204] * 4
 
     run(story())
 
