@@ -137,6 +137,16 @@ def attempt_of(settings: Settings, job_id: int) -> tuple[bool, list[tuple[int, s
         return allocation.active, nodes, held, [f"{e.from_state} → {e.to_state}: {e.reason}" for e in events]
 
 
+def placed_gang(client: TestClient, settings: Settings, **overrides: Any) -> tuple[int, int, dict[int, int]]:
+    """A two-node job, placed: its id, its allocation's, and its node rank on each agent."""
+    job_id = submit(client, spec(resources={"nodes": 2}, **overrides)).json()["id"]
+    schedule(settings)
+    with session_scope(settings.database_url) as session:
+        allocation = attempts.active_allocation(session, job_id)
+        assert allocation is not None, f"job {job_id} was not placed"
+        return job_id, allocation.id, {n.agent_id: n.node_rank for n in allocation.nodes}
+
+
 def test_the_clean_exits_an_agent_reports_together_end_their_attempts(client: TestClient, settings: Settings) -> None:
     """Exits with code 0 of attempts still open are applied together (`attempts.report_nodes_exited`),
     with every effect one exit of its own has: nodes exited, slots freed, the job COMPLETED with
@@ -145,13 +155,7 @@ def test_the_clean_exits_an_agent_reports_together_end_their_attempts(client: Te
     ((solo, solo_alloc, agent),) = placed(client, settings, 1)
     report(client, agent, started(solo_alloc))
     peer = register(client, "n1", slots=1)
-    gang = submit(client, spec(resources={"nodes": 2})).json()["id"]
-    schedule(settings)
-    with session_scope(settings.database_url) as session:
-        gang_alloc = attempts.active_allocation(session, gang)
-        assert gang_alloc is not None
-        rank_of = {n.agent_id: n.node_rank for n in gang_alloc.nodes}
-        gang_alloc_id = gang_alloc.id
+    gang, gang_alloc_id, rank_of = placed_gang(client, settings)
     assert sorted(rank_of) == sorted([agent, peer]), "the gang's nodes are on the two agents"
     for owner, rank in rank_of.items():
         report(client, owner, {**started(gang_alloc_id), "node_rank": rank})
@@ -184,13 +188,7 @@ def test_a_clean_exit_of_an_attempt_already_ending_follows_its_failure(client: T
     attempt ends as a failure and the job restarts, beside another job's exit completing it."""
     ((solo, solo_alloc, agent),) = placed(client, settings, 1)
     peer = register(client, "n1", slots=1)
-    gang = submit(client, spec(resources={"nodes": 2}, max_restarts=1)).json()["id"]
-    schedule(settings)
-    with session_scope(settings.database_url) as session:
-        gang_alloc = attempts.active_allocation(session, gang)
-        assert gang_alloc is not None
-        rank_of = {n.agent_id: n.node_rank for n in gang_alloc.nodes}
-        gang_alloc_id = gang_alloc.id
+    gang, gang_alloc_id, rank_of = placed_gang(client, settings, max_restarts=1)
     report(client, agent, started(solo_alloc), {**started(gang_alloc_id), "node_rank": rank_of[agent]})
     report(client, peer, {**started(gang_alloc_id), "node_rank": rank_of[peer]})
     report(client, peer, {**exited(gang_alloc_id, 7), "node_rank": rank_of[peer]})
