@@ -7,10 +7,10 @@ all of them each second: one call per node and per allocation was most of the se
 1,000 agents (`bench/bench_scale.py`), most of it the framework's cost per request.
 
 Many in one call: one transaction, each report applied or refused (404, 409) on its own, its
-outcome saying why as its own call would have: a run of started reports, or of exits with code 0,
-set-based (checked before anything is written), any other report in a savepoint. The jobs the reports touch are
-locked first, in id order: two calls holding several job locks each can then never wait for each
-other in a cycle.
+outcome saying why as its own call would have: a run of started reports, or of exits with code
+0, set-based (checked before anything is written), any other report in a savepoint. The jobs the
+reports touch are locked first, in id order: two calls holding several job locks each can then
+never wait for each other in a cycle.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]
     outcomes: list[ReportOutcome] = []
     for kind, grouped in groupby(reports, key=_kind):
         run = list(grouped)
+        if kind == "other":
+            outcomes += one_by_one(run)
+            continue
         keys = [(r.allocation_id, r.node_rank) for r in run if not isinstance(r, RendezvousReport)]
         if kind == "started":
             refused = attempts.report_nodes_started(session, agent_id, keys)
@@ -83,9 +86,6 @@ def apply_reports(session: Session, agent_id: int, reports: Sequence[NodeReport]
             handled, left = attempts.report_nodes_exited(session, agent_id, reasons)
             rest = iter(one_by_one([r for r, key in zip(run, keys, strict=True) if key in left]))
             outcomes += [_refusal(handled[key]) if key in handled else next(rest) for key in keys]
-        else:
-            outcomes += one_by_one(run)
-            continue
         for job in locked.values():  # moved by statement: read again at next use
             session.expire(job)
     return outcomes
