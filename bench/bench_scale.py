@@ -1,7 +1,8 @@
 """The control plane at cluster size: simulated agents against one server and one scheduler.
 
     python bench/bench_scale.py [--agents 1000] [--slots 8] [--jobs 10000] [--gangs 100]
-                                [--job-seconds 60] [--steady-seconds 60] [--metrics-interval 60]
+                                [--job-seconds 60] [--stationary] [--steady-seconds 60]
+                                [--metrics-interval 60]
                                 [--servers 1] [--heartbeat-server | --people-server [--reads-server]]
                                 [--nodes-server-nice 0] [--probed-agents 50]
                                 [--setting NAME=VALUE] [--json]
@@ -20,7 +21,8 @@ else is simulated in this process with asyncio, no torch:
   allocation's in one call.
 - The backlog: `--jobs` jobs of one slot, `--gangs` of them gangs of 2 nodes x `--slots` slots, in a
   team whose queue is held while they are submitted (8 submitters in parallel), then released at
-  once; later a submitter tops the queue up so that it never runs dry.
+  once; later a submitter tops the queue up to what the fill left queued, so that it never runs
+  dry and as many jobs are submitted as end.
 - A reader asks for the jobs list (newest 100) and one random job, alternately, 10 times a second,
   and the agents list once a second.
 - The probe: a process of its own sends the heartbeats of `--probed-agents` of the agents (50 by
@@ -131,6 +133,7 @@ REFUSED_RETRY_S = 120.0  # how long a call refused with 429 is sent again, as th
 LOG_SHIP_INTERVAL_S = 1.0  # the agent's (worker_agent.agent.SHIP_INTERVAL_S)
 PROGRESS_S = 10.0
 SUBMITTERS = 8
+QUEUED_SQL = "SELECT count(*) FROM jobs WHERE state = 'QUEUED'"
 # The fill ends when the allocation count stopped rising for this long.
 FILL_PLATEAU_S = 2.0
 FIRST_PLACEMENT_TIMEOUT_S = 120.0
@@ -332,6 +335,25 @@ class SimulatedAgent:
         self.reports_waiting = asyncio.Event()
         self.log_lines: dict[int, list[dict[str, Any]]] = defaultdict(list)
         self.logs_waiting = asyncio.Event()
+        # with --stationary, the slots whose first node is still to start (`run_time`)
+        self.first_slots_left = sim.args.slots if sim.args.stationary else 0
+
+    def run_time(self, slots: int) -> tuple[float, float]:
+        """A node's run time and the wait before its first metric batch.
+
+        A node's run time is `--job-seconds` +-50 %. With `--stationary`, the first node on each
+        slot runs what is left of a node already running, as on a cluster that has been up for a
+        while: its run time is drawn length-biased (a longer node is more likely to be the one
+        running) and a uniform share of it has passed, so nodes end at the steady rate (slots /
+        job-seconds) from the fill on instead of all together one node's time after it, and their
+        metric batches are spread over the interval instead of coming all at once."""
+        low, high = 0.5 * self.sim.args.job_seconds, 1.5 * self.sim.args.job_seconds
+        interval = self.sim.args.metrics_interval
+        if self.first_slots_left < slots:
+            return random.uniform(low, high), interval
+        self.first_slots_left -= slots
+        length_biased = (low**2 + random.random() * (high**2 - low**2)) ** 0.5
+        return random.random() * length_biased, random.uniform(0.0, interval)
 
     async def register(self) -> None:
         answer = await self.api.call(
@@ -448,7 +470,7 @@ class SimulatedAgent:
                 {"rank": rank, "stream": "stdout", "time": time.time(), "line": f"step {i}"} for i in range(5)
             ]
             self.logs_waiting.set()
-            stopped = await self.train(node, random.uniform(0.5, 1.5) * self.sim.args.job_seconds)
+            stopped = await self.train(node, *self.run_time(a["nproc_per_node"]))
             cause = "stopped" if stopped else "run"
             await self.report(
                 {"kind": "exit", "allocation_id": allocation, "node_rank": rank, "exit_code": 0, "cause": cause}
@@ -460,16 +482,18 @@ class SimulatedAgent:
         finally:
             self.nodes.pop(key, None)
 
-    async def train(self, node: Node, seconds: float) -> bool:
-        """Report metrics from the node's ranks until `seconds` passed (False) or it was told to stop
-        (True)."""
+    async def train(self, node: Node, seconds: float, first_metrics_s: float) -> bool:
+        """Report metrics from the node's ranks, the first batch after `first_metrics_s`, then every
+        `--metrics-interval`, until `seconds` passed (False) or it was told to stop (True)."""
         a = node.assignment
         credential = a["credential"]
         ranks = range(a["node_rank"] * a["nproc_per_node"], (a["node_rank"] + 1) * a["nproc_per_node"])
         deadline = time.monotonic() + seconds
         step = 0
+        next_batch_s = first_metrics_s
         while True:
-            wait = min(self.sim.args.metrics_interval, deadline - time.monotonic())
+            wait = min(next_batch_s, deadline - time.monotonic())
+            next_batch_s = self.sim.args.metrics_interval
             if wait <= 0:
                 return False
             try:
@@ -873,12 +897,16 @@ class Simulation:
         return time.monotonic() - began, unstarted
 
     async def keep_backlog(self, stop: asyncio.Event) -> None:
-        """Top the queue up to `--jobs` queued jobs every few seconds."""
+        """Every few seconds, top the queue up to what the fill left queued: as many jobs are
+        submitted as end, as in a cluster's steady state. (Topping it up to `--jobs` made the steady
+        state a second backlog's submission: ~7,000 submits at the people's process's full rate,
+        each waking a scheduling pass that read the whole queue.)"""
+        target = await self.count(QUEUED_SQL)
         while not stop.is_set():
-            queued = await self.count("SELECT count(*) FROM jobs WHERE state = 'QUEUED'")
-            if queued < self.args.jobs:
+            queued = await self.count(QUEUED_SQL)
+            if queued < target:
                 try:
-                    await self.submit(min(self.args.jobs - queued, 200), 0)
+                    await self.submit(min(target - queued, 200), 0)
                 except (TimeoutError, ApiFailed, aiohttp.ClientError) as exc:
                     self.note_error("submit", exc)
             with contextlib.suppress(TimeoutError):
@@ -981,6 +1009,8 @@ class Simulation:
             "servers": args.servers,
             "heartbeat_server": args.heartbeat_server,
             "people_server": args.people_server,
+            "job_seconds": args.job_seconds,
+            "stationary": args.stationary,
             "reads_server": args.reads_server,
             "nodes_server_nice": args.nodes_server_nice,
             "slots_per_agent": args.slots,
@@ -1164,6 +1194,12 @@ def main() -> None:
     parser.add_argument("--gangs", type=int, default=100, help="of the backlog: gangs of 2 nodes x all slots")
     parser.add_argument("--job-seconds", type=float, default=60.0, help="a node's run time (+-50%%)")
     parser.add_argument("--steady-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--stationary",
+        action="store_true",
+        help="the fill's nodes run what is left of nodes already running, so that nodes end at the steady rate "
+        "(slots / job-seconds) from the fill on, not all at once one node's time after it",
+    )
     parser.add_argument(
         "--metrics-interval", type=float, default=60.0, help="seconds between a node's metric batches (real ranks: 1 s)"
     )

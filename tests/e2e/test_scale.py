@@ -19,7 +19,7 @@ def test_the_simulator_fills_a_cluster_and_keeps_it_busy_without_a_server_error(
             sys.executable,
             str(REPO / "bench" / "bench_scale.py"),
             *("--agents", str(agents), "--slots", str(slots), "--jobs", str(jobs), "--gangs", "5"),
-            *("--job-seconds", "4", "--steady-seconds", "20", "--metrics-interval", "2", "--json"),
+            *("--job-seconds", "4", "--stationary", "--steady-seconds", "20", "--metrics-interval", "2", "--json"),
             # registered over one heartbeat interval, the agents' beats are spread over it: at the
             # default 100 a second, 50 agents beat within 0.5 s of every 2 s, and a storm of a
             # second could fall between two bursts and time no heartbeat
