@@ -14,21 +14,26 @@ decayed usage of ``s``, so it adds to what the team holds now on the same scale.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import DateTime, case, func, literal, or_, select
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
 from phalanx.schemas import JobState
 from server.attempts import PREEMPTED
-from server.models import Allocation, AllocationNode, Job, SlotLease, Team, User
+from server.models import Allocation, AllocationNode, Job, SlotLease, Team, User, seconds_between
 from server.placement import PendingJob, RunningJob, Sharing, TeamQuota
 from server.settings import Settings
 
 # Older slot-seconds count less than 2**-10 of new ones: past this many half-lives they are skipped.
 HALF_LIVES_READ = 10
+# PostgreSQL's exp() raises on underflow rather than returning 0: a node running for a thousand
+# half-lives would fail every pass. exp(-700) is ~1e-304, as good as 0 beside any other term.
+MIN_EXPONENT = -700.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,44 @@ def decayed_usage(intervals: Iterable[SlotInterval], now: datetime, half_life_s:
         key = (interval.team, interval.slot_type)
         usage[key] = usage.get(key, 0.0) + held
     return usage
+
+
+def decayed_usage_in_database(session: Session, now: datetime, half_life_s: float) -> dict[tuple[str, str], float]:
+    """`decayed_usage` of every node that held slots in the last `HALF_LIVES_READ` half-lives, summed
+    by the database: one row per team and slot type, however many nodes ran.
+
+    Every scheduling pass and queue snapshot reads it. Read as one row per node and decayed in
+    Python, it grew with the history: a cluster of 1,000 agents whose jobs take ten minutes ends
+    ~48,000 nodes an hour, ~480,000 in the ten half-lives of the default hour
+    (`bench/bench_sharing_history.py`)."""
+    at: ColumnElement[datetime] = literal(now, DateTime())
+    since = now - timedelta(seconds=half_life_s * HALF_LIVES_READ)
+    rate = -math.log(2.0) / half_life_s
+
+    def at_least(value: ColumnElement[float], floor: ColumnElement[float] | float) -> ColumnElement[float]:
+        return case((value < floor, floor), else_=value)
+
+    # as `decayed_slots`: the ages of the interval's end and start, never negative nor reversed
+    age_end = at_least(seconds_between(func.coalesce(AllocationNode.ended_at, at), at), 0.0)
+    age_start = at_least(seconds_between(Allocation.created_at, at), age_end)
+    held = func.exp(at_least(age_end * rate, MIN_EXPONENT)) - func.exp(at_least(age_start * rate, MIN_EXPONENT))
+    rows = session.execute(
+        select(
+            Team.name,
+            AllocationNode.slot_type,
+            func.sum(func.json_array_length(AllocationNode.slot_indices) * held),
+        )
+        .select_from(AllocationNode)
+        .join(Allocation, AllocationNode.allocation_id == Allocation.id)
+        .join(Job, Allocation.job_id == Job.id)
+        .outerjoin(Team, Job.team_id == Team.id)
+        .where(
+            Allocation.created_at < at,
+            or_(AllocationNode.ended_at.is_(None), AllocationNode.ended_at >= since),
+        )
+        .group_by(Team.name, AllocationNode.slot_type)
+    ).all()
+    return {(team or "", slot_type): float(usage or 0.0) for team, slot_type, usage in rows}
 
 
 def slot_intervals(session: Session, since: datetime, until: datetime) -> list[SlotInterval]:
@@ -154,11 +197,9 @@ def running_jobs(session: Session, now: datetime) -> list[RunningJob]:
 
 
 def load_sharing(session: Session, now: datetime, settings: Settings) -> Sharing:
-    half_life_s = settings.fair_share_half_life
-    intervals = slot_intervals(session, now - timedelta(seconds=half_life_s * HALF_LIVES_READ), now)
     return Sharing(
         teams=team_quotas(session),
-        usage=decayed_usage(intervals, now, half_life_s),
+        usage=decayed_usage_in_database(session, now, settings.fair_share_half_life),
         running=running_jobs(session, now),
         min_runtime_s=settings.preemption_min_runtime,
         history_weight=settings.fair_share_history_weight,
