@@ -46,7 +46,10 @@ def _sessions() -> sessionmaker[Session]:
     return sessions
 
 
-_pacing = PassPacing()  # this worker process's passes
+@lru_cache(maxsize=1)
+def _pacing() -> PassPacing:
+    """This worker process's passes."""
+    return PassPacing(rest_ratio=get_settings().schedule_rest_ratio)
 
 
 @shared_task(name=SCHEDULE_TASK)  # type: ignore[untyped-decorator]
@@ -55,7 +58,7 @@ def schedule() -> int:
     task again once the rest is over: until then the pass stays pending, and the requests that
     come meanwhile join it. Requests that come once it starts need a pass of their own: it may
     read before their commits (`task_queue.PendingPasses`)."""
-    rest = _pacing.delay(time.monotonic())
+    rest = _pacing().delay(time.monotonic())
     if rest > 0:
         current_app.send_task(SCHEDULE_TASK, countdown=rest, expires=rest + EXPIRES_S)
         return 0
@@ -65,7 +68,7 @@ def schedule() -> int:
         with _sessions().begin() as session:
             woken = service.schedule_pass(session)
     finally:
-        _pacing.ran(began, time.monotonic())
+        _pacing().ran(began, time.monotonic())
     return len(woken)
 
 

@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     max_held_requests_per_holder: int = Field(16, ge=1)
     max_held_requests: int = Field(1024, ge=1)
     schedule_interval: float = Field(3.0, gt=0)
+    # After a scheduling pass that took t seconds, the next one waits `schedule_rest_ratio` x t
+    # (at most 2 s): passes asked for back to back take at most 1 / (1 + ratio) of the
+    # scheduler's core and as much of PostgreSQL's (`scheduler/pacing.py`).
+    schedule_rest_ratio: float = Field(1.0, ge=0, le=100)
     # A queue snapshot (places in line, reasons, start estimates: one placement pass over the whole
     # queue) serves every request of the next this-many seconds that shows no job newer than it
     # (`server.queue_status.queue_snapshot`); 0 computes one per request. Kueue's pending-workloads

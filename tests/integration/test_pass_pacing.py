@@ -62,7 +62,7 @@ def test_a_pass_asked_for_during_the_rest_stays_pending_and_is_sent_for_the_rest
     settings: Settings, recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pacing = PassPacing()
-    monkeypatch.setattr(tasks, "_pacing", pacing)
+    monkeypatch.setattr(tasks, "_pacing", lambda: pacing)
     pending = PendingPasses.for_settings(settings)
     assert pending.claim(SCHEDULE_TASK)
     tasks.schedule()  # no pass before it: it runs at once, and clears the mark as it starts
