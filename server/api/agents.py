@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
-from functools import partial
-from typing import Annotated, TypeVar
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import Text, bindparam, cast, func, select
 from sqlalchemy.orm import Session
 
 from phalanx import schemas
@@ -109,7 +110,8 @@ _WORK = (
         .scalar_subquery(),
         Job.id,
         Job.slots_per_node,
-        Job.spec,
+        # as text: the key of the kept answers below, and a spec validated once per process
+        cast(Job.spec, Text),
         Job.env_lock,
         Checkpoint.step,
         Checkpoint.path,
@@ -128,46 +130,75 @@ _WORK = (
 )
 
 
-def _load_work(session: Session, agent_id: int, settings: Settings) -> schemas.AgentWork:
+@dataclass(frozen=True, slots=True)
+class WorkAnswer:
+    """An agent's assignments as the route answers them: their digest and the JSON of `AgentWork`."""
+
+    version: str
+    body: bytes
+
+
+# Assignments kept as JSON (`_kept_assignment_json`) have specs up to this long: 8,192 of them
+# then take at most ~50 MB.
+MAX_KEPT_ASSIGNMENT_SPEC_CHARS = 2048
+
+
+def _assignment_json(row: tuple[Any, ...], checkpoint_uri: str) -> str:
+    """A node's assignment as JSON, from the row that `_WORK` reads for it (its slots as a tuple)."""
+    (node_rank, slot_type, slot_indices, desired, allocation_id, attempt, master_addr, master_port) = row[:8]
+    (stop_grace, credential, node_count, job_id, slots_per_node, spec_json, env_lock, step, path) = row[8:]
+    spec = views.stored_spec(spec_json)
+    return schemas.Assignment(
+        allocation_id=allocation_id,
+        job_id=job_id,
+        attempt=attempt,
+        node_rank=node_rank,
+        nnodes=node_count,
+        nproc_per_node=slots_per_node,
+        slot_type=schemas.SlotType(slot_type),
+        slot_indices=list(slot_indices),
+        master_addr=master_addr,
+        master_port=master_port,
+        desired=desired if desired in ("stop", "kill") else "run",
+        stop_grace=stop_grace,
+        entrypoint=spec.entrypoint,
+        launcher=spec.launcher,
+        env=spec.env,
+        hyperparameters=spec.hyperparameters,
+        precision=spec.precision,
+        ddp=spec.ddp,
+        checkpoint_root=checkpoints.storage_for(spec, job_id, checkpoint_uri),
+        resume=None if step is None else schemas.ResumePoint(step=step, path=path),
+        pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
+        credential=auth.rank_token(allocation_id, credential or ""),
+        runtime_env=spec.runtime_env,
+        env_lock=env_lock if spec.runtime_env is not None else None,
+    ).model_dump_json()
+
+
+# By everything an assignment is made of: an agent's work is read again whenever any of its nodes
+# changes and at every long-poll's end, and its other nodes' assignments have not changed;
+# building and serializing each one again cost most of a read. 8,192 hold 1,000 agents x 8 nodes.
+_kept_assignment_json = lru_cache(maxsize=8192)(_assignment_json)
+
+
+def _load_work(session: Session, agent_id: int, settings: Settings) -> WorkAnswer:
     with session.begin():
         rows = session.execute(_WORK, {"agent_id": agent_id}).all()
     if not rows:
         raise NotFound(f"agent {agent_id} is not registered; register it first")
-    assignments: dict[tuple[int, int], schemas.Assignment] = {}
+    assignments: dict[tuple[int, int], str] = {}
     for row in rows:
-        (_, node_rank, slot_type, slot_indices, desired, allocation_id, attempt, master_addr, master_port) = row[:9]
-        (stop_grace, credential, node_count, job_id, slots_per_node, spec_json, env_lock, step, path) = row[9:]
+        node_rank, allocation_id = row[1], row[5]
         if node_rank is None or (allocation_id, node_rank) in assignments:
             continue
-        spec = schemas.JobSpec.model_validate(spec_json)
-        assignments[(allocation_id, node_rank)] = schemas.Assignment(
-            allocation_id=allocation_id,
-            job_id=job_id,
-            attempt=attempt,
-            node_rank=node_rank,
-            nnodes=node_count,
-            nproc_per_node=slots_per_node,
-            slot_type=schemas.SlotType(slot_type),
-            slot_indices=list(slot_indices),
-            master_addr=master_addr,
-            master_port=master_port,
-            desired=desired if desired in ("stop", "kill") else "run",
-            stop_grace=stop_grace,
-            entrypoint=spec.entrypoint,
-            launcher=spec.launcher,
-            env=spec.env,
-            hyperparameters=spec.hyperparameters,
-            precision=spec.precision,
-            ddp=spec.ddp,
-            checkpoint_root=checkpoints.storage_for(spec, job_id, settings.checkpoint_uri),
-            resume=None if step is None else schemas.ResumePoint(step=step, path=path),
-            pg_timeout=min(spec.hang_timeout or PG_TIMEOUT, PG_TIMEOUT),
-            credential=auth.rank_token(allocation_id, credential or ""),
-            runtime_env=spec.runtime_env,
-            env_lock=env_lock if spec.runtime_env is not None else None,
-        )
-    body = "[" + ",".join(a.model_dump_json() for a in assignments.values()) + "]"
-    return schemas.AgentWork(version=hashlib.sha1(body.encode()).hexdigest(), assignments=list(assignments.values()))
+        key = (node_rank, row[2], tuple(row[3]), *row[4:])  # hashable: the node's slots as a tuple
+        spec_json = row[14]
+        build = _kept_assignment_json if len(spec_json) <= MAX_KEPT_ASSIGNMENT_SPEC_CHARS else _assignment_json
+        assignments[(allocation_id, node_rank)] = build(key, settings.checkpoint_uri)
+    listed = "[" + ",".join(assignments.values()) + "]"
+    version = hashlib.sha1(listed.encode()).hexdigest()
+    return WorkAnswer(version, f'{{"version":"{version}","assignments":{listed}}}'.encode())
 
 
 @router.post("/{agent_id}/drain", response_model=schemas.AgentView)
@@ -190,7 +221,7 @@ async def agent_work(
     principal: AgentDep,
     version: Annotated[str, Query(max_length=64)] = "",
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
-) -> schemas.AgentWork:
+) -> Response:
     """The agent's assignments; with `version` and `wait`, hangs until they differ from that version.
 
     A long-poll whose agent hangs up is a hint that the agent died (a live agent polls again at
@@ -199,12 +230,12 @@ async def agent_work(
     access.agent_acts_as(principal, agent_id)
     settings = services.settings
 
-    def load() -> schemas.AgentWork:
+    def load() -> WorkAnswer:
         with services.sessions() as session:
             return _load_work(session, agent_id, settings)
 
     if wait <= 0:
-        return await in_agent_thread(services, load)
+        return _answer(await in_agent_thread(services, load))
     gone = asyncio.Event()
 
     async def watch_disconnect() -> None:
@@ -228,7 +259,13 @@ async def agent_work(
             watcher.cancel()
     if gone.is_set():
         await in_agent_thread(services, partial(_reap_at_expiry, services, agent_id))
-    return work  # (nobody reads it when the agent hung up)
+    return _answer(work)  # (nobody reads it when the agent hung up)
+
+
+def _answer(work: WorkAnswer) -> Response:
+    """The JSON built with the read, as it is: through the route's `response_model` it was parsed
+    and serialized again on the event loop, at every long-poll's end."""
+    return Response(work.body, media_type="application/json")
 
 
 def _reap_at_expiry(services: Services, agent_id: int) -> None:
