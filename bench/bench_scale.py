@@ -16,9 +16,11 @@ else is simulated in this process with asyncio, no torch:
   long-poll for work; for each node they are given: rendezvous (node rank 0 of a gang), started,
   five log lines, then one metric batch every `--metrics-interval` seconds from the node's ranks
   with the attempt's own credential, and exit 0 after `--job-seconds` (±50 %). A node told to
-  stop exits as stopped. As the agent does, each agent sends its nodes' reports many in one call
-  (what was reported while its last call was on its way) and its lines once a second, every
-  allocation's in one call.
+  stop exits as stopped. With `--stationary`, the first node on each slot runs what is left of a
+  node already running (`SimulatedAgent.run_time`): nodes end at the steady rate from the fill on.
+  As the agent does, each agent sends its nodes' reports many in one call (what was reported
+  while its last call was on its way) and its lines once a second, every allocation's in one
+  call.
 - The backlog: `--jobs` jobs of one slot, `--gangs` of them gangs of 2 nodes x `--slots` slots, in a
   team whose queue is held while they are submitted (8 submitters in parallel), then released at
   once; later a submitter tops the queue up to what the fill left queued, so that it never runs
