@@ -18,8 +18,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import TypeVarTuple
 
-from sqlalchemy import DateTime, case, func, literal, or_, select
+from sqlalchemy import DateTime, Select, case, func, literal, or_, select
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -28,6 +29,8 @@ from server.attempts import PREEMPTED
 from server.models import Allocation, AllocationNode, Job, SlotLease, Team, User, seconds_between
 from server.placement import PendingJob, RunningJob, Sharing, TeamQuota
 from server.settings import Settings
+
+Row = TypeVarTuple("Row")  # a query's columns, kept through `_held_between`
 
 # Older slot-seconds count less than 2**-10 of new ones: past this many half-lives they are skipped.
 HALF_LIVES_READ = 10
@@ -67,6 +70,21 @@ def decayed_usage(intervals: Iterable[SlotInterval], now: datetime, half_life_s:
     return usage
 
 
+def _held_between(query: Select[*Row], since: datetime, until: datetime | ColumnElement[datetime]) -> Select[*Row]:
+    """`query` over the nodes that held slots at some time in [since, until), each joined to its
+    attempt, its job and the job's team (if any)."""
+    return (
+        query.select_from(AllocationNode)
+        .join(Allocation, AllocationNode.allocation_id == Allocation.id)
+        .join(Job, Allocation.job_id == Job.id)
+        .outerjoin(Team, Job.team_id == Team.id)
+        .where(
+            Allocation.created_at < until,
+            or_(AllocationNode.ended_at.is_(None), AllocationNode.ended_at >= since),
+        )
+    )
+
+
 def decayed_usage_in_database(session: Session, now: datetime, half_life_s: float) -> dict[tuple[str, str], float]:
     """`decayed_usage` of every node that held slots in the last `HALF_LIVES_READ` half-lives, summed
     by the database: one row per team and slot type, however many nodes ran.
@@ -86,47 +104,26 @@ def decayed_usage_in_database(session: Session, now: datetime, half_life_s: floa
     age_end = at_least(seconds_between(func.coalesce(AllocationNode.ended_at, at), at), 0.0)
     age_start = at_least(seconds_between(Allocation.created_at, at), age_end)
     held = func.exp(at_least(age_end * rate, MIN_EXPONENT)) - func.exp(at_least(age_start * rate, MIN_EXPONENT))
-    rows = session.execute(
-        select(
-            Team.name,
-            AllocationNode.slot_type,
-            func.sum(func.json_array_length(AllocationNode.slot_indices) * held),
-        )
-        .select_from(AllocationNode)
-        .join(Allocation, AllocationNode.allocation_id == Allocation.id)
-        .join(Job, Allocation.job_id == Job.id)
-        .outerjoin(Team, Job.team_id == Team.id)
-        .where(
-            Allocation.created_at < at,
-            or_(AllocationNode.ended_at.is_(None), AllocationNode.ended_at >= since),
-        )
-        .group_by(Team.name, AllocationNode.slot_type)
-    ).all()
+    summed = select(
+        Team.name, AllocationNode.slot_type, func.sum(func.json_array_length(AllocationNode.slot_indices) * held)
+    )
+    rows = session.execute(_held_between(summed, since, at).group_by(Team.name, AllocationNode.slot_type)).all()
     return {(team or "", slot_type): float(usage or 0.0) for team, slot_type, usage in rows}
 
 
 def slot_intervals(session: Session, since: datetime, until: datetime) -> list[SlotInterval]:
     """Every node that held slots at some time in [since, until)."""
-    rows = session.execute(
-        select(
-            User.name,
-            Team.name,
-            AllocationNode.slot_type,
-            # counted by the database: decoding every node's JSON list was most of a pass's reads
-            func.json_array_length(AllocationNode.slot_indices),
-            Job.id,
-            Allocation.created_at,
-            AllocationNode.ended_at,
-        )
-        .join(Allocation, AllocationNode.allocation_id == Allocation.id)
-        .join(Job, Allocation.job_id == Job.id)
-        .join(User, Job.owner_id == User.id)
-        .outerjoin(Team, Job.team_id == Team.id)
-        .where(
-            Allocation.created_at < until,
-            or_(AllocationNode.ended_at.is_(None), AllocationNode.ended_at >= since),
-        )
-    ).all()
+    intervals = select(
+        User.name,
+        Team.name,
+        AllocationNode.slot_type,
+        # counted by the database: decoding every node's JSON list was most of a pass's reads
+        func.json_array_length(AllocationNode.slot_indices),
+        Job.id,
+        Allocation.created_at,
+        AllocationNode.ended_at,
+    )
+    rows = session.execute(_held_between(intervals, since, until).join(User, Job.owner_id == User.id)).all()
     return [
         SlotInterval(user, team or "", slot_type, slots or 0, job_id, start, end)
         for user, team, slot_type, slots, job_id, start, end in rows
